@@ -1,0 +1,61 @@
+"""Every Redis key of a deployment, built in this one module (DESIGN.md 3.5).
+
+All keys live under ``kvd:{namespace}:``. The daemon writes them; the bridge and kvctl read
+the log and the head offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LogKeys:
+    namespace: str = "default"
+
+    def __post_init__(self) -> None:
+        if not self.namespace or any(c in self.namespace for c in ": \n\t{}"):
+            raise ValueError(
+                f"namespace must be non-empty without ':', '{{', '}}' or spaces: {self.namespace!r}"
+            )
+
+    @property
+    def prefix(self) -> str:
+        return f"kvd:{self.namespace}:"
+
+    @property
+    def log(self) -> str:
+        """Stream of LogRecords (see events.records)."""
+        return self.prefix + "log"
+
+    @property
+    def head(self) -> str:
+        """Integer: offset of the last record appended to the log."""
+        return self.prefix + "head"
+
+    @property
+    def sources(self) -> str:
+        """Hash: source -> msgpack (incarnation, last_seq) fencing position."""
+        return self.prefix + "sources"
+
+    @property
+    def layouts(self) -> str:
+        """Hash: layout key -> msgpack layout record (id, slot bytes, chunks)."""
+        return self.prefix + "layouts"
+
+    def blocks(self, layout_id: int) -> str:
+        """Hash: digest -> msgpack (slot, group, checksum, parent, tokens...) of committed blocks."""
+        return f"{self.prefix}blocks:{layout_id}"
+
+    def engine_blocks(self, engine_id: str) -> str:
+        """Set of GPU-tier wire hashes (group-qualified) an engine holds."""
+        return f"{self.prefix}engine:{engine_id}:gpu"
+
+    @property
+    def daemon(self) -> str:
+        """Hash: the daemon's own fields (incarnation, arena id, bridge seq...)."""
+        return self.prefix + "daemon"
+
+    def bridge(self, name: str) -> str:
+        """Hash: a bridge's published-seq mapping (seq <-> log offset) for restarts."""
+        return f"{self.prefix}bridge:{name}"

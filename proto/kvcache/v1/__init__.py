@@ -1,0 +1,1 @@
+"""kvcache.v1: the gRPC contract of kvoffload (generated code; see scripts/gen_proto.py)."""

@@ -1,0 +1,1 @@
+"""stack: starts the whole kvoffload stack as local processes (the no-Docker path)."""

@@ -1,0 +1,99 @@
+"""Block hashes against an independent computation of the sha256_cbor definition.
+
+The reference below encodes canonical CBOR by hand (RFC 8949 major types), so it shares no
+code with events.hashing (which uses cbor2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from events.hashing import BlockHasher, to_wire
+
+
+def _head(major: int, n: int) -> bytes:
+    if n < 24:
+        return bytes([major << 5 | n])
+    for ai, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if n < 1 << (8 * size):
+            return bytes([major << 5 | ai]) + n.to_bytes(size, "big")
+    raise ValueError(n)
+
+
+def _cbor(value: object) -> bytes:
+    if value is None:
+        return b"\xf6"
+    if isinstance(value, bytes):
+        return _head(2, len(value)) + value
+    if isinstance(value, str):
+        raw = value.encode()
+        return _head(3, len(raw)) + raw
+    if isinstance(value, int):
+        return _head(0, value) if value >= 0 else _head(1, -1 - value)
+    if isinstance(value, list | tuple):
+        return _head(4, len(value)) + b"".join(_cbor(v) for v in value)
+    raise TypeError(value)
+
+
+def _reference_chain(tokens: list[int], seed: str, block_size: int) -> list[int]:
+    parent = hashlib.sha256(_cbor(seed)).digest()
+    out = []
+    for i in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hashlib.sha256(_cbor([parent, tokens[i : i + block_size], None])).digest()
+        out.append(int.from_bytes(parent, "big") & (2**64 - 1))
+    return out
+
+
+def test_known_vector_first_block() -> None:
+    # NONE_HASH for seed "0" is sha256 of CBOR text "0" (0x61 0x30).
+    hasher = BlockHasher(seed="0", block_size=4)
+    assert hasher.none_hash == hashlib.sha256(b"\x61\x30").digest()
+    payload = b"\x83" + b"\x58\x20" + hasher.none_hash + b"\x84\x01\x02\x03\x04" + b"\xf6"
+    (digest,) = hasher.hash_blocks([1, 2, 3, 4])
+    assert digest == hashlib.sha256(payload).digest()
+
+
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=80),
+    seed=st.text(max_size=8),
+    block_size=st.integers(1, 17),
+)
+def test_sha256_cbor_matches_reference(tokens: list[int], seed: str, block_size: int) -> None:
+    hasher = BlockHasher(seed=seed, block_size=block_size)
+    got = [to_wire(d) for d in hasher.hash_blocks(tokens)]
+    assert got == _reference_chain(tokens, seed, block_size)
+    assert len(got) == len(tokens) // block_size
+
+
+def test_partial_block_is_not_hashed() -> None:
+    hasher = BlockHasher(block_size=16)
+    assert hasher.hash_blocks(list(range(15))) == []
+    assert len(hasher.hash_blocks(list(range(33)))) == 2
+
+
+def test_chain_depends_on_parent_seed_and_extra_keys() -> None:
+    a = BlockHasher(seed="a", block_size=2)
+    b = BlockHasher(seed="b", block_size=2)
+    assert a.hash_blocks([1, 2]) != b.hash_blocks([1, 2])
+    assert a.hash_blocks([1, 2, 3, 4])[1] != a.hash_blocks([9, 9, 3, 4])[1]
+    assert a.hash_blocks([1, 2], extra_keys=("lora",)) != a.hash_blocks([1, 2])
+
+
+def test_xxh3_option() -> None:
+    hasher = BlockHasher(seed="0", block_size=2, algo="xxh3_128_cbor")
+    none = xxhash.xxh3_128_digest(_cbor("0"))
+    (digest,) = hasher.hash_blocks([5, 6])
+    assert digest == xxhash.xxh3_128_digest(_cbor([none, [5, 6], None]))
+    assert len(digest) == 16
+
+
+def test_bad_config_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown hash algorithm"):
+        BlockHasher(algo="md5")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="block_size"):
+        BlockHasher(block_size=0)

@@ -1,0 +1,1 @@
+"""Test support: real processes (Redis, our daemons) on free loopback ports."""
