@@ -1,0 +1,233 @@
+"""Protobuf messages (kvcache.v1) <-> domain events, batches, log records and snapshots.
+
+Used at the gRPC edge: servicers convert with these functions and work on domain types only.
+Decoding validates (``validate_event``) and raises SchemaError naming the field. Imports only
+the generated message modules, never grpc.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import cbor2
+import msgspec
+from kvcache.v1 import events_pb2, log_pb2
+
+from events.codec_vllm import freeze_arrays
+from events.schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    LogRecord,
+    Medium,
+    SchemaError,
+    SpecKind,
+    validate_event,
+)
+from events.state import Snapshot, SourceSnapshot
+
+
+class EventBatch(msgspec.Struct, frozen=True):
+    """One step's events from one engine, as sent on ``EventIngest.Publish``."""
+
+    engine_id: str
+    incarnation: int
+    seq: int
+    ts: float
+    events: tuple[Event, ...]
+
+
+_MEDIUM_TO_PB: Final[dict[Medium | None, int]] = {
+    None: events_pb2.MEDIUM_UNSPECIFIED,
+    "GPU": events_pb2.MEDIUM_GPU,
+    "CPU": events_pb2.MEDIUM_CPU,
+}
+_MEDIUM_FROM_PB: Final[dict[int, Medium | None]] = {v: k for k, v in _MEDIUM_TO_PB.items()}
+_KIND_TO_PB: Final[dict[SpecKind, int]] = {
+    "full_attention": events_pb2.KV_CACHE_SPEC_KIND_FULL_ATTENTION,
+    "sliding_window": events_pb2.KV_CACHE_SPEC_KIND_SLIDING_WINDOW,
+}
+_KIND_FROM_PB: Final[dict[int, SpecKind]] = {
+    events_pb2.KV_CACHE_SPEC_KIND_UNSPECIFIED: "full_attention",
+    **{v: k for k, v in _KIND_TO_PB.items()},
+}
+
+
+# -- events -------------------------------------------------------------------------------------
+
+
+def event_to_proto(event: Event) -> events_pb2.KvEvent:
+    """Raise SchemaError when a value does not fit the proto field (e.g. a negative group)."""
+    try:
+        return _event_to_proto(event)
+    except (ValueError, TypeError) as exc:
+        raise SchemaError(f"{type(event).__name__}: {exc}") from exc
+
+
+def _event_to_proto(event: Event) -> events_pb2.KvEvent:
+    if isinstance(event, BlockStored):
+        msg = events_pb2.BlockStored(
+            block_hashes=event.block_hashes,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            medium=_MEDIUM_TO_PB[event.medium],
+            group_idx=event.group_idx,
+            kv_cache_spec_kind=_KIND_TO_PB[event.kv_cache_spec_kind],
+        )
+        if event.parent_block_hash is not None:
+            msg.parent_block_hash = event.parent_block_hash
+        if event.sliding_window is not None:
+            msg.sliding_window = event.sliding_window
+        if event.lora_name is not None:
+            msg.lora_name = event.lora_name
+        if event.extra_keys is not None:
+            msg.extra_keys.extend(cbor2.dumps(k, canonical=True) for k in event.extra_keys)
+        return events_pb2.KvEvent(block_stored=msg)
+    if isinstance(event, BlockRemoved):
+        removed = events_pb2.BlockRemoved(
+            block_hashes=event.block_hashes,
+            medium=_MEDIUM_TO_PB[event.medium],
+            group_idx=event.group_idx,
+        )
+        return events_pb2.KvEvent(block_removed=removed)
+    cleared = events_pb2.AllBlocksCleared(medium=_MEDIUM_TO_PB[event.medium])
+    return events_pb2.KvEvent(all_blocks_cleared=cleared)
+
+
+def event_from_proto(msg: events_pb2.KvEvent) -> Event:
+    which = msg.WhichOneof("event")
+    event: Event
+    if which == "block_stored":
+        event = _stored_from_proto(msg.block_stored)
+    elif which == "block_removed":
+        m = msg.block_removed
+        event = BlockRemoved(
+            block_hashes=tuple(m.block_hashes),
+            medium=_required_medium(m.medium, "BlockRemoved"),
+            group_idx=m.group_idx,
+        )
+    elif which == "all_blocks_cleared":
+        event = AllBlocksCleared(medium=_medium(msg.all_blocks_cleared.medium, "AllBlocksCleared"))
+    else:
+        raise SchemaError("KvEvent.event: required (one of block_stored, block_removed, ...)")
+    validate_event(event)
+    return event
+
+
+def _stored_from_proto(m: events_pb2.BlockStored) -> BlockStored:
+    if m.kv_cache_spec_kind not in _KIND_FROM_PB:
+        raise SchemaError(f"BlockStored.kv_cache_spec_kind: unknown value {m.kv_cache_spec_kind}")
+    extra: tuple[Any, ...] | None = None
+    if m.extra_keys:
+        try:
+            extra = tuple(freeze_arrays(cbor2.loads(k)) for k in m.extra_keys)
+        except (cbor2.CBORDecodeError, ValueError, TypeError) as exc:
+            raise SchemaError(f"BlockStored.extra_keys: bad CBOR: {exc}") from exc
+    return BlockStored(
+        block_hashes=tuple(m.block_hashes),
+        parent_block_hash=m.parent_block_hash if m.HasField("parent_block_hash") else None,
+        token_ids=tuple(m.token_ids),
+        block_size=m.block_size,
+        medium=_required_medium(m.medium, "BlockStored"),
+        group_idx=m.group_idx,
+        kv_cache_spec_kind=_KIND_FROM_PB[m.kv_cache_spec_kind],
+        sliding_window=m.sliding_window if m.HasField("sliding_window") else None,
+        lora_name=m.lora_name if m.HasField("lora_name") else None,
+        extra_keys=extra,
+    )
+
+
+def _medium(value: int, owner: str) -> Medium | None:
+    if value not in _MEDIUM_FROM_PB:
+        raise SchemaError(f"{owner}.medium: unknown value {value}")
+    return _MEDIUM_FROM_PB[value]
+
+
+def _required_medium(value: int, owner: str) -> Medium:
+    medium = _medium(value, owner)
+    if medium is None:
+        raise SchemaError(f"{owner}.medium: required")
+    return medium
+
+
+def _events_from_proto(msgs: Any) -> tuple[Event, ...]:
+    return tuple(event_from_proto(m) for m in msgs)
+
+
+def _events_to_proto(events: tuple[Event, ...]) -> list[events_pb2.KvEvent]:
+    return [event_to_proto(e) for e in events]
+
+
+# -- batches, records, snapshots ----------------------------------------------------------------
+
+
+def batch_to_proto(batch: EventBatch) -> events_pb2.EventBatch:
+    return events_pb2.EventBatch(
+        engine_id=batch.engine_id,
+        incarnation=batch.incarnation,
+        seq=batch.seq,
+        ts=batch.ts,
+        events=_events_to_proto(batch.events),
+    )
+
+
+def batch_from_proto(msg: events_pb2.EventBatch) -> EventBatch:
+    if not msg.engine_id:
+        raise SchemaError("EventBatch.engine_id: required")
+    return EventBatch(
+        msg.engine_id, msg.incarnation, msg.seq, msg.ts, _events_from_proto(msg.events)
+    )
+
+
+def record_to_proto(record: LogRecord) -> events_pb2.LogRecord:
+    return events_pb2.LogRecord(
+        offset=record.offset,
+        source=record.source,
+        incarnation=record.incarnation,
+        source_seq=record.source_seq,
+        ts=record.ts,
+        events=_events_to_proto(record.events),
+    )
+
+
+def record_from_proto(msg: events_pb2.LogRecord) -> LogRecord:
+    if msg.offset < 1:
+        raise SchemaError("LogRecord.offset: must be >= 1")
+    return LogRecord(
+        offset=msg.offset,
+        source=msg.source,
+        incarnation=msg.incarnation,
+        source_seq=msg.source_seq,
+        ts=msg.ts,
+        events=_events_from_proto(msg.events),
+    )
+
+
+def snapshot_to_proto(snap: Snapshot) -> log_pb2.SnapshotResponse:
+    return log_pb2.SnapshotResponse(
+        offset=snap.offset,
+        sources=[
+            log_pb2.SourceSnapshot(
+                source=s.source,
+                incarnation=s.incarnation,
+                last_seq=s.last_seq,
+                events=_events_to_proto(s.events),
+            )
+            for s in snap.sources
+        ],
+    )
+
+
+def snapshot_from_proto(msg: log_pb2.SnapshotResponse) -> Snapshot:
+    sources = []
+    for s in msg.sources:
+        stored: list[BlockStored] = []
+        for e in _events_from_proto(s.events):
+            if not isinstance(e, BlockStored):
+                raise SchemaError(
+                    f"SourceSnapshot.events: only BlockStored allowed, got {type(e).__name__}"
+                )
+            stored.append(e)
+        sources.append(SourceSnapshot(s.source, s.incarnation, s.last_seq, tuple(stored)))
+    return Snapshot(msg.offset, tuple(sources))

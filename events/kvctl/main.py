@@ -1,0 +1,51 @@
+"""The kvctl dispatcher: one argparse subcommand per module listed in ``COMMANDS``.
+
+A command module exposes ``register(subparsers)``, which adds its subparser and sets
+``handler=<function(args) -> int>`` with ``set_defaults``. Adding a command is one new module
+and one line in ``COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Final
+
+from events.kvctl import hash as hash_cmd
+from events.kvctl.errors import KvctlError
+from events.schema import SchemaError
+
+PROG: Final = "kvctl"
+
+# One line per command module.
+COMMANDS: Final[tuple[ModuleType, ...]] = (hash_cmd,)
+
+__all__ = ["COMMANDS", "KvctlError", "build_parser", "main"]
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Inspect, hash, replay and verify the kvoffload event log."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in COMMANDS:
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; user errors print one line and return 2, never a traceback."""
+    parser = build_parser()
+    args = parser.parse_args(argv)  # argparse itself exits 2 with usage on bad flags
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except (KvctlError, SchemaError, ValueError, OSError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

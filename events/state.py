@@ -1,0 +1,315 @@
+"""CacheState: the one pure reducer of log records into "which block is where" (DESIGN.md 3.2).
+
+The daemon's recovery, the bridge, subscribers, tests and ``kvctl replay`` all call
+:meth:`CacheState.apply`. It does no I/O and never raises on bad content: anything odd in the
+log is recorded as a :class:`Violation` so that replays can report it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Final
+
+import msgspec
+
+from events.schema import (
+    MEDIA,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    LogRecord,
+    Medium,
+    SchemaError,
+    SpecKind,
+    validate_event,
+)
+from events.state_chains import export_tier
+
+TIER_WEIGHTS: Final[Mapping[Medium, float]] = MappingProxyType({"GPU": 1.0, "CPU": 0.8})
+
+_EMPTY: Final[Mapping[int, BlockEntry]] = MappingProxyType({})
+
+
+class BlockEntry(msgspec.Struct, frozen=True):
+    """What the reducer keeps per resident block: enough to re-emit its BlockStored."""
+
+    parent: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    kv_cache_spec_kind: SpecKind = "full_attention"
+    sliding_window: int | None = None
+    lora_name: str | None = None
+    extra_keys: Any = None
+
+
+class Violation(msgspec.Struct, frozen=True):
+    """An inconsistency found in the log; kinds: unknown_block_removed, orphan_child,
+    stale_incarnation, log_gap, source_gap, invalid_event."""
+
+    offset: int
+    source: str
+    kind: str
+    detail: str
+
+
+class ApplyResult(enum.Enum):
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"
+    STALE = "stale"
+
+
+class PrefixMatch(msgspec.Struct, frozen=True):
+    num_blocks: int
+    num_gpu: int
+    num_cpu: int
+    score: float
+
+
+class SourceSnapshot(msgspec.Struct, frozen=True):
+    """One source's fence (incarnation 0 = unfenced) and resident blocks, parents first."""
+
+    source: str
+    incarnation: int
+    last_seq: int
+    events: tuple[BlockStored, ...]
+
+
+class Snapshot(msgspec.Struct, frozen=True):
+    offset: int
+    sources: tuple[SourceSnapshot, ...]
+
+
+Tier = dict[int, BlockEntry]
+TierKey = tuple[Medium, int]  # (medium, group_idx)
+
+
+class CacheState:
+    """Resident blocks per (source, medium, group_idx), fenced per source."""
+
+    def __init__(self) -> None:
+        self._offset = 0
+        self._tiers: dict[str, dict[TierKey, Tier]] = {}
+        self._fences: dict[str, tuple[int, int]] = {}
+        self.violations: list[Violation] = []
+
+    @property
+    def offset(self) -> int:
+        """The last applied log offset (0 = none)."""
+        return self._offset
+
+    # -- applying -------------------------------------------------------------------------
+
+    def apply(self, record: LogRecord) -> ApplyResult:
+        """Apply one record; records must come in offset order."""
+        offset, source = record.offset, record.source
+        if offset <= self._offset:
+            return ApplyResult.DUPLICATE
+        if offset > self._offset + 1:
+            self._violate(offset, source, "log_gap", f"expected offset {self._offset + 1}")
+        self._offset = offset
+        if record.incarnation != 0:  # 0: rebuilt from a ZMQ stream, nothing to fence on
+            fenced = self._fence(record)
+            if fenced is not ApplyResult.APPLIED:
+                return fenced
+        tiers = self._tiers.setdefault(source, {})
+        for event in record.events:
+            self._apply_event(tiers, event, offset, source)
+        return ApplyResult.APPLIED
+
+    def _fence(self, record: LogRecord) -> ApplyResult:
+        source, inc, seq = record.source, record.incarnation, record.source_seq
+        known = self._fences.get(source)
+        if known is not None and inc < known[0]:
+            self._violate(
+                record.offset,
+                source,
+                "stale_incarnation",
+                f"incarnation {inc} < current {known[0]}",
+            )
+            return ApplyResult.STALE
+        if known is None or inc > known[0]:
+            # A new incarnation starts from nothing; the first fence seen for a source clears
+            # nothing (its earlier blocks, if any, came unfenced and stay).
+            if known is not None:
+                self._tiers[source] = {}
+            if seq != 1:
+                self._violate(
+                    record.offset,
+                    source,
+                    "source_gap",
+                    f"incarnation {inc} starts at seq {seq}, expected 1",
+                )
+        else:
+            if seq <= known[1]:
+                return ApplyResult.DUPLICATE
+            if seq > known[1] + 1:
+                self._violate(
+                    record.offset,
+                    source,
+                    "source_gap",
+                    f"seq {seq} after {known[1]} in incarnation {inc}",
+                )
+        self._fences[source] = (inc, seq)
+        return ApplyResult.APPLIED
+
+    def _apply_event(
+        self, tiers: dict[TierKey, Tier], event: Event, offset: int, source: str
+    ) -> None:
+        try:
+            if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
+                raise SchemaError(f"not an event: {type(event).__name__}")
+            validate_event(event)
+        except SchemaError as exc:
+            self._violate(offset, source, "invalid_event", str(exc))
+            return
+        if isinstance(event, BlockStored):
+            tier = tiers.setdefault((event.medium, event.group_idx), {})
+            parent = event.parent_block_hash
+            if event.medium == "GPU" and parent is not None and parent not in tier:
+                # The CPU tier evicts parents before children legitimately; the GPU tier not.
+                self._violate(
+                    offset,
+                    source,
+                    "orphan_child",
+                    f"parent {parent} of {event.block_hashes[0]} not resident in "
+                    f"GPU group {event.group_idx}",
+                )
+            _store(tier, event)
+        elif isinstance(event, BlockRemoved):
+            tier = tiers.get((event.medium, event.group_idx), {})
+            for h in event.block_hashes:
+                if tier.pop(h, None) is None:
+                    self._violate(
+                        offset,
+                        source,
+                        "unknown_block_removed",
+                        f"{h} not resident in {event.medium} group {event.group_idx}",
+                    )
+        else:
+            for key in [k for k in tiers if event.medium is None or k[0] == event.medium]:
+                del tiers[key]
+
+    def _violate(self, offset: int, source: str, kind: str, detail: str) -> None:
+        self.violations.append(Violation(offset, source, kind, detail))
+
+    # -- queries --------------------------------------------------------------------------
+
+    def fence(self, source: str) -> tuple[int, int] | None:
+        """``(incarnation, last_seq)`` of a fenced source; None when unknown or unfenced."""
+        return self._fences.get(source)
+
+    def sources(self) -> list[str]:
+        return sorted(self._tiers.keys() | self._fences.keys())
+
+    def blocks(self, source: str, medium: Medium, group_idx: int = 0) -> Mapping[int, BlockEntry]:
+        tier = self._tiers.get(source, {}).get((medium, group_idx))
+        return _EMPTY if tier is None else MappingProxyType(tier)
+
+    def has(self, source: str, medium: Medium, block_hash: int, group_idx: int = 0) -> bool:
+        tier = self._tiers.get(source, {}).get((medium, group_idx))
+        return tier is not None and block_hash in tier
+
+    def longest_prefix(
+        self,
+        hashes: Sequence[int],
+        group_idx: int = 0,
+        weights: Mapping[Medium, float] = TIER_WEIGHTS,
+    ) -> dict[str, PrefixMatch]:
+        """Per source, the leading run of ``hashes`` resident in some tier.
+
+        Each block counts in its best (highest-weight) tier; sources with no match are omitted.
+        """
+        out: dict[str, PrefixMatch] = {}
+        ranked = sorted(MEDIA, key=lambda m: -weights.get(m, 0.0))
+        for source, tiers in self._tiers.items():
+            present = [(m, tiers[(m, group_idx)]) for m in ranked if (m, group_idx) in tiers]
+            counts = {"GPU": 0, "CPU": 0}
+            score = 0.0
+            for h in hashes:
+                for medium, tier in present:
+                    if h in tier:
+                        counts[medium] += 1
+                        score += weights.get(medium, 0.0)
+                        break
+                else:
+                    break
+            total = counts["GPU"] + counts["CPU"]
+            if total:
+                out[source] = PrefixMatch(total, counts["GPU"], counts["CPU"], score)
+        return out
+
+    def counts(self) -> dict[tuple[str, Medium, int], int]:
+        """``(source, medium, group_idx) -> number of resident blocks``, non-zero only."""
+        return {(s, m, g): len(t) for s, m, g, t in self._iter_tiers() if t}
+
+    def view(self) -> dict[tuple[str, Medium, int], frozenset[int]]:
+        """The canonical content: comparable across states built in different ways."""
+        return {(s, m, g): frozenset(t) for s, m, g, t in self._iter_tiers() if t}
+
+    def _iter_tiers(self) -> Iterator[tuple[str, Medium, int, Tier]]:
+        for source, tiers in self._tiers.items():
+            for (medium, group), tier in tiers.items():
+                yield source, medium, group, tier
+
+    # -- snapshots ------------------------------------------------------------------------
+
+    def export(self) -> Snapshot:
+        """The state as BlockStored events, each parent before any child that references it."""
+        out: list[SourceSnapshot] = []
+        for source in self.sources():
+            events: list[BlockStored] = []
+            for (medium, group), tier in self._tiers.get(source, {}).items():
+                events.extend(export_tier(tier, medium, group))
+            inc, seq = self._fences.get(source, (0, 0))
+            out.append(SourceSnapshot(source, inc, seq, tuple(events)))
+        return Snapshot(self._offset, tuple(out))
+
+    @classmethod
+    def from_snapshot(cls, snap: Snapshot) -> CacheState:
+        """Rebuild a state from :meth:`export`; a snapshot is state, so no violations.
+
+        Raises SchemaError on an invalid event (snapshots come from a trusted export).
+        """
+        state = cls()
+        state._offset = snap.offset
+        for src in snap.sources:
+            tiers = state._tiers.setdefault(src.source, {})
+            if src.incarnation != 0:
+                state._fences[src.source] = (src.incarnation, src.last_seq)
+            for event in src.events:
+                validate_event(event)
+                _store(tiers.setdefault((event.medium, event.group_idx), {}), event)
+        return state
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CacheState):
+            return NotImplemented
+        return self._fences == other._fences and self.view() == other.view()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return f"CacheState(offset={self._offset}, counts={self.counts()})"
+
+
+def _store(tier: Tier, event: BlockStored) -> None:
+    parent = event.parent_block_hash
+    bs = event.block_size
+    toks = event.token_ids
+    keys = event.extra_keys
+    kind, window, lora = event.kv_cache_spec_kind, event.sliding_window, event.lora_name
+    for i, h in enumerate(event.block_hashes):
+        start = i * bs
+        tier[h] = BlockEntry(
+            parent,
+            toks[start : start + bs],
+            bs,
+            kind,
+            window,
+            lora,
+            None if keys is None else keys[i],
+        )
+        parent = h
