@@ -52,6 +52,11 @@ class LogKeys:
         return f"{self.prefix}engine:{engine_id}:gpu"
 
     @property
+    def engines(self) -> str:
+        """Hash: engine_id -> msgpack registration (incarnation, namespace, group -> layout)."""
+        return self.prefix + "engines"
+
+    @property
     def daemon(self) -> str:
         """Hash: the daemon's own fields (incarnation, arena id, bridge seq...)."""
         return self.prefix + "daemon"

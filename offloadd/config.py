@@ -1,0 +1,158 @@
+"""The daemon's one frozen configuration, built once at the entry point from flags and environment.
+
+Every field can be given as a flag (``--capacity-bytes``) or as ``KVD_<FIELD>`` in the
+environment (``KVD_CAPACITY_BYTES``); flags win. ``REDIS_URL`` is honoured as a fallback for
+``redis_url``. Nothing below the entry point reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import grp
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from events.hashing import DIGEST_BYTES, HASH_ALGOS, HashAlgo
+from events.logkeys import LogKeys
+
+Eviction = Literal["lru", "arc"]
+EVICTIONS: Final[tuple[Eviction, ...]] = ("lru", "arc")
+MiB: Final[int] = 1 << 20
+GiB: Final[int] = 1 << 30
+
+
+class ConfigError(ValueError):
+    """A flag or environment value is invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class OffloaddConfig:
+    grpc_host: str = "[::]"
+    """Interface for the TCP gRPC listener."""
+    grpc_port: int = 50051
+    """TCP port; 0 picks a free one (logged at start)."""
+    unix_socket: str = ""
+    """Path of an extra unix-socket listener; empty = none."""
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9400
+    """Prometheus /metrics port; 0 picks a free one, -1 disables it."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_timeout_s: float = 2.0
+    """Socket timeout for every Redis call; past it the call is refused with UNAVAILABLE."""
+    namespace: str = "default"
+    """Deployment namespace: the Redis key prefix kvd:{namespace}: and the arena file names."""
+    arena_dir: str = "/dev/shm"
+    capacity_bytes: int = 1 * GiB
+    """Total bytes of arena files the daemon may create, over all layouts."""
+    chunk_bytes: int = 256 * MiB
+    """Size of one arena file; clamped to capacity_bytes."""
+    file_mode: int = 0o600
+    file_group: str = ""
+    """Group name for the arena files (use with file_mode 0o660); empty = the daemon's."""
+    lease_ms: int = 30_000
+    """Default lifetime of pins (Lookup) and reservations (Reserve)."""
+    max_lease_ms: int = 600_000
+    sweep_interval_ms: int = 100
+    """How often expired leases and reservations are swept."""
+    eviction: Eviction = "lru"
+    verify_on_load: bool = False
+    """Check a block's xxh3 checksum on every Lookup hit (a mismatch is a miss and is dropped)."""
+    max_batch_events: int = 4096
+    max_request_hashes: int = 16_384
+    """Largest number of hashes or blocks accepted in one OffloadStore request."""
+    hash_algo: HashAlgo = "sha256_cbor"
+    grace_s: float = 5.0
+    """SIGTERM: seconds in-flight RPCs get before the server stops."""
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        try:
+            LogKeys(self.namespace)
+        except ValueError as exc:
+            raise ConfigError(f"namespace: {exc}") from exc
+        if self.capacity_bytes <= 0:
+            raise ConfigError(f"capacity_bytes: must be > 0, got {self.capacity_bytes}")
+        if self.chunk_bytes <= 0:
+            raise ConfigError(f"chunk_bytes: must be > 0, got {self.chunk_bytes}")
+        if self.chunk_bytes > self.capacity_bytes:
+            object.__setattr__(self, "chunk_bytes", self.capacity_bytes)
+        if self.eviction not in EVICTIONS:
+            raise ConfigError(f"eviction: must be one of {EVICTIONS}, got {self.eviction!r}")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ConfigError(f"hash_algo: must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
+        for name in ("lease_ms", "max_lease_ms", "sweep_interval_ms", "max_batch_events",
+                     "max_request_hashes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.grpc_port <= 65535:
+            raise ConfigError(f"grpc_port: out of range: {self.grpc_port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port: out of range: {self.metrics_port}")
+        if not 0 <= self.file_mode <= 0o777:
+            raise ConfigError(f"file_mode: not a permission mode: {oct(self.file_mode)}")
+        if self.file_group:
+            try:
+                grp.getgrnam(self.file_group)
+            except KeyError as exc:
+                raise ConfigError(f"file_group: no such group {self.file_group!r}") from exc
+
+    @property
+    def digest_bytes(self) -> int:
+        return DIGEST_BYTES[self.hash_algo]
+
+    @property
+    def keys(self) -> LogKeys:
+        return LogKeys(self.namespace)
+
+    @property
+    def file_gid(self) -> int | None:
+        return grp.getgrnam(self.file_group).gr_gid if self.file_group else None
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _parse_mode(text: str) -> int:
+    return int(text, 8)
+
+
+def _field_parser(field: dataclasses.Field[object]) -> type | object:
+    if field.name == "file_mode":
+        return _parse_mode
+    kind = type(field.default)
+    return _parse_bool if kind is bool else kind
+
+
+def load_config(argv: Sequence[str] | None, env: Mapping[str, str]) -> OffloaddConfig:
+    """Build the config from flags, then ``KVD_*`` environment, then defaults."""
+    parser = argparse.ArgumentParser(prog="offloadd", description="the per-node KV offload daemon")
+    fields = dataclasses.fields(OffloaddConfig)
+    for field in fields:
+        parser.add_argument(
+            "--" + field.name.replace("_", "-"), dest=field.name, default=None,
+            help=f"(env KVD_{field.name.upper()}; default {field.default!r})",
+        )
+    args = parser.parse_args(argv)
+    values: dict[str, object] = {}
+    for field in fields:
+        raw = getattr(args, field.name)
+        if raw is None:
+            raw = env.get("KVD_" + field.name.upper())
+        if raw is None and field.name == "redis_url":
+            raw = env.get("REDIS_URL")
+        if raw is None:
+            continue
+        conv = _field_parser(field)
+        try:
+            values[field.name] = conv(raw)  # type: ignore[operator]
+        except ValueError as exc:
+            raise ConfigError(f"{field.name}: {exc}") from exc
+    return OffloaddConfig(**values)  # type: ignore[arg-type]

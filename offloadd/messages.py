@@ -1,0 +1,97 @@
+"""Domain messages of the OffloadStore API: what the servicer converts protobuf to and from."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One KV-cache group of an engine, as registered."""
+
+    group_idx: int
+    kind: str  # "full_attention" | "sliding_window"
+    sliding_window: int
+    block_size: int
+    block_bytes: int
+    dtype: str
+    layout: str
+
+
+@dataclass(frozen=True)
+class GroupArenaInfo:
+    group_idx: int
+    layout_id: int
+    slot_bytes: int
+    slots_per_chunk: int
+    max_slots: int
+    chunk_path_template: str
+
+
+@dataclass(frozen=True)
+class GroupQuery:
+    group_idx: int
+    block_hashes: tuple[bytes, ...]
+    prefix_only: bool = True
+
+
+@dataclass(frozen=True)
+class GroupHit:
+    group_idx: int
+    num_prefix: int
+    slots: tuple[int, ...]  # one per hash looked at; -1 where not ready
+
+
+@dataclass(frozen=True)
+class LookupOutcome:
+    results: tuple[GroupHit, ...]
+    lease_id: str
+    lease_expires_unix_ms: int
+
+
+@dataclass(frozen=True)
+class BlockToStore:
+    block_hash: bytes
+    parent_block_hash: bytes | None
+    token_ids: tuple[int, ...]
+    extra_keys: bytes = b""  # canonical CBOR; b"" for none
+
+
+class ReserveStatus(enum.IntEnum):
+    """Values equal to kvcache.v1.Reservation.Status."""
+
+    RESERVED = 1
+    ALREADY_STORED = 2
+    IN_FLIGHT = 3
+    NO_SPACE = 4
+
+
+@dataclass(frozen=True)
+class ReserveOutcome:
+    reservation_id: str  # empty when nothing was reserved
+    blocks: tuple[tuple[ReserveStatus, int], ...]  # (status, slot or -1), in request order
+    lease_expires_unix_ms: int
+
+
+@dataclass(frozen=True)
+class LayoutStats:
+    layout_id: int
+    slot_bytes: int
+    num_slots: int
+    num_ready: int
+    num_reserved: int
+    num_pinned: int
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    capacity_bytes: int
+    used_bytes: int
+    num_blocks: int
+    hits: int
+    misses: int
+    evictions: int
+    log_offset: int
+    layouts: tuple[LayoutStats, ...]
+    num_engines: int

@@ -1,0 +1,114 @@
+"""Prometheus metrics of the daemon, in a registry of its own (no process-global state).
+
+State-derived values (blocks and bytes per tier, hits, misses, evictions, log offset) are read
+from the store when scraped; RPC latencies and ingest lag are observed as they happen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from offloadd.ingest import Ingest
+from offloadd.store import HostStore
+
+_LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5,
+)
+
+
+class _StateCollector(Collector):
+    def __init__(self, store: HostStore, ingest: Ingest) -> None:
+        self.store = store
+        self.ingest = ingest
+
+    def collect(self) -> Iterator[Metric]:
+        store, ingest = self.store, self.ingest
+        blocks = GaugeMetricFamily(
+            "offloadd_blocks", "Resident blocks per tier", labels=["tier", "layout", "state"]
+        )
+        nbytes = GaugeMetricFamily("offloadd_bytes", "Bytes of resident blocks", labels=["tier"])
+        cpu_bytes = 0
+        for lay in list(store.layouts.by_id.values()):  # list(): one atomic copy under the GIL
+            lid = str(lay.layout_id)
+            blocks.add_metric(["CPU", lid, "ready"], lay.index.num_ready)
+            blocks.add_metric(["CPU", lid, "reserved"], lay.index.num_reserved)
+            blocks.add_metric(["CPU", lid, "pinned"], lay.index.num_pinned)
+            cpu_bytes += lay.index.num_ready * lay.geometry.slot_bytes
+        gpu = _gpu_blocks(store)
+        blocks.add_metric(["GPU", "", "ready"], gpu)
+        nbytes.add_metric(["CPU"], cpu_bytes)
+        yield blocks
+        yield nbytes
+        yield _gauge("offloadd_capacity_bytes", "Arena capacity", store.config.capacity_bytes)
+        yield _gauge("offloadd_arena_allocated_bytes", "Bytes of chunk files created",
+                     store.layouts.allocated_bytes)
+        yield _gauge("offloadd_log_offset", "Offset of the last appended log record",
+                     store.metadata.head)
+        yield _gauge("offloadd_engines", "Registered engines", len(store.engines))
+        yield _gauge("offloadd_leases", "Open leases", len(store.leases.leases))
+        yield _gauge("offloadd_reservations", "Open reservations", len(store.leases.reservations))
+        yield _counter("offloadd_lookup_hits", "Blocks found by Lookup", store.hits)
+        yield _counter("offloadd_lookup_misses", "Blocks not found by Lookup", store.misses)
+        yield _counter("offloadd_evictions", "Blocks evicted from the CPU tier", store.evictions)
+        batches = CounterMetricFamily(
+            "offloadd_ingest_batches", "Ingested batches by outcome", labels=["status"]
+        )
+        for status, n in (("applied", ingest.num_applied), ("duplicate", ingest.num_duplicate),
+                          ("resend", ingest.num_resend), ("rejected", ingest.num_rejected)):
+            batches.add_metric([status], n)
+        yield batches
+        yield _counter("offloadd_ingest_events", "Applied engine events", ingest.num_events)
+
+
+def _gpu_blocks(store: HostStore) -> int:
+    # Scrapes run on the HTTP thread while the event loop mutates the reducer's dicts; a
+    # resize mid-iteration raises RuntimeError, and simply reading again is enough.
+    for _ in range(5):
+        try:
+            return sum(n for (_, medium, _), n in store.state.counts().items() if medium == "GPU")
+        except RuntimeError:
+            continue
+    return -1
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class DaemonMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.rpc_latency = Histogram(
+            "offloadd_rpc_seconds", "Server-side RPC latency", ["method", "code"],
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.ingest_lag = Histogram(
+            "offloadd_ingest_lag_seconds", "Batch timestamp to durable apply",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+
+        self._http: Any = None
+
+    def watch(self, store: HostStore, ingest: Ingest) -> None:
+        self.registry.register(_StateCollector(store, ingest))
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP server in a thread; returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return int(server.server_port)
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,101 @@
+"""Pure parts: config from flags and environment, the slot index, LRU and ARC, the arena map."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from offloadd.arena import ArenaGeometry, ArenaMapping, create_chunk_file
+from offloadd.config import ConfigError, load_config
+from offloadd.eviction import ArcPolicy, LruPolicy
+from offloadd.index import BlockState, LayoutIndex, SlotEntry
+
+
+def test_config_flags_env_defaults() -> None:
+    cfg = load_config(["--capacity-bytes", "1000", "--file-mode", "660"],
+                      {"KVD_CHUNK_BYTES": "5000", "REDIS_URL": "redis://x:1/0", "KVD_VERIFY_ON_LOAD": "yes"})
+    assert (cfg.capacity_bytes, cfg.chunk_bytes, cfg.file_mode) == (1000, 1000, 0o660)  # chunk clamped
+    assert cfg.redis_url == "redis://x:1/0" and cfg.verify_on_load is True
+    assert load_config([], {"KVD_REDIS_URL": "redis://a:2/0", "REDIS_URL": "redis://b:3/0"}).redis_url == "redis://a:2/0"
+    assert load_config(["--grpc-port", "7"], {"KVD_GRPC_PORT": "8"}).grpc_port == 7
+    for argv, env, msg in (
+        (["--namespace", "a:b"], {}, "namespace"),
+        ([], {"KVD_LEASE_MS": "0"}, "lease_ms"),
+        ([], {"KVD_VERIFY_ON_LOAD": "maybe"}, "verify_on_load"),
+        ([], {"KVD_HASH_ALGO": "md5"}, "hash_algo"),
+    ):
+        with pytest.raises(ConfigError, match=msg):
+            load_config(argv, env)
+
+
+def _entry() -> SlotEntry:
+    return SlotEntry(0, BlockState.RESERVED, None, (1,), b"", None)
+
+
+def test_index_transitions() -> None:
+    idx = LayoutIndex(LruPolicy())
+    idx.grow(3)
+    slots = [idx.take_free_slot() for _ in range(3)]
+    assert slots == [0, 1, 2] and idx.take_free_slot() is None
+    for i, slot in enumerate(slots):
+        idx.reserve(bytes([i]), slot, _entry())
+    idx.commit(b"\x00", 11)
+    idx.commit(b"\x01", 12)
+    idx.unreserve(b"\x02")
+    assert (idx.num_ready, idx.num_reserved, idx.free) == (2, 0, [2])
+    idx.pin(b"\x00")
+    assert idx.choose_victims(5) == [b"\x01"]  # pinned is never a victim
+    idx.restore([b"\x01"])
+    idx.unpin(b"\x00")  # back at the MRU end
+    assert idx.choose_victims(1) == [b"\x01"]
+    idx.remove(b"\x01")
+    assert sorted(idx.free) == [1, 2] and idx.ready(b"\x01") is None
+    assert idx.ready(b"\x00") is not None and idx.ready(b"\x00").checksum == 11
+
+
+def test_lru_order_and_touch() -> None:
+    p = LruPolicy()
+    for k in (b"a", b"b", b"c"):
+        p.add(k)
+    p.touch(b"a")
+    assert p.victims(3) == [b"b", b"c", b"a"]
+
+
+def test_arc_prefers_evicting_blocks_seen_once() -> None:
+    p = ArcPolicy()
+    for k in (b"a", b"b", b"c", b"d"):
+        p.add(k)
+    p.touch(b"a")  # a and b are hit again: frequent
+    p.touch(b"b")
+    assert p.victims(2) == [b"c", b"d"]
+    p.remove(b"c")
+    p.evicted(b"c")
+    p.add(b"c")  # a ghost hit: c comes back as frequent and T1's target grows
+    assert b"c" not in p.victims(1)
+    assert len(p) == 4
+
+
+def test_arena_mapping_shared(tmp_path: Path) -> None:
+    g = ArenaGeometry(16, 4, 8, str(tmp_path / "c{chunk}"))
+    for chunk in range(2):
+        create_chunk_file(g.chunk_path(chunk), g.chunk_file_bytes, 0o600, None)
+    assert (tmp_path / "c1").stat().st_mode & 0o777 == 0o600
+    a, b = ArenaMapping(g), ArenaMapping(g)
+    a.write(5, bytes(range(16)))
+    assert b.read(5) == bytes(range(16))  # chunk 1, offset 16
+    assert (tmp_path / "c1").read_bytes()[16:32] == bytes(range(16))
+    assert a.address(5) - a.address(4) == 16
+    torch = sys.modules.get("torch")
+    assert a.register_cuda() is bool(torch is not None and torch.cuda.is_available())
+    with pytest.raises(IndexError):
+        a.slot_view(8)
+    with pytest.raises(ValueError):
+        a.write(0, b"short")
+    assert not a.is_stale()
+    (tmp_path / "c1").unlink()
+    create_chunk_file(g.chunk_path(1), g.chunk_file_bytes, 0o600, None)
+    assert a.is_stale()  # the daemon made a new file: this mapping writes into the old one
+    a.close()
+    b.close()
