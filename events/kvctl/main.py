@@ -13,14 +13,30 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Final
 
+from events.kvctl import diff as diff_cmd
 from events.kvctl import hash as hash_cmd
+from events.kvctl import plot as plot_cmd
+from events.kvctl import record as record_cmd
+from events.kvctl import replay as replay_cmd
+from events.kvctl import stats as stats_cmd
+from events.kvctl import tail as tail_cmd
+from events.kvctl import verify as verify_cmd
 from events.kvctl.errors import KvctlError
 from events.schema import SchemaError
 
 PROG: Final = "kvctl"
 
 # One line per command module.
-COMMANDS: Final[tuple[ModuleType, ...]] = (hash_cmd,)
+COMMANDS: Final[tuple[ModuleType, ...]] = (
+    hash_cmd,
+    record_cmd,
+    replay_cmd,
+    diff_cmd,
+    verify_cmd,
+    stats_cmd,
+    tail_cmd,
+    plot_cmd,
+)
 
 __all__ = ["COMMANDS", "KvctlError", "build_parser", "main"]
 

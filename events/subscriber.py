@@ -1,0 +1,286 @@
+"""A KV-event subscriber for router authors: bootstrap, follow, fill gaps, answer prefix queries.
+
+    sub = KvEventSubscriber("tcp://bridge:5557", "tcp://bridge:5558", topic="kv-events")
+    sub.bootstrap()                      # snapshot: the full current state + the seq to go on from
+    while serving:
+        sub.poll(100)                    # live batches; a seq gap is filled by a replay request
+        sub.longest_prefix(prompt_ids, BlockHasher(seed="0", block_size=16))
+
+State is a :class:`events.state.CacheState`, fed records rebuilt from the wire with incarnation 0
+(unfenced: the bridge already fenced them). Each event's source is its ``source`` key (our
+extension of the map layout) or, for streams without it (vLLM engines, the legacy layout,
+per-source topics), ``default_source`` (the topic when not given).
+
+Threads: the sockets belong to the thread that calls :meth:`bootstrap`/:meth:`poll`;
+:meth:`longest_prefix` and :meth:`view` may be called from other threads (they take ``lock``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from events.codec_vllm import WireBatch, decode_batch
+from events.hashing import BlockHasher, to_wire
+from events.schema import BlockStored, Event, LogRecord, Medium, SchemaError
+from events.state import CacheState, PrefixMatch, Snapshot, SourceSnapshot
+from events.wire_frames import SNAPSHOT, seq_bytes
+
+log = logging.getLogger("kvsubscriber")
+
+
+class SubscriberError(Exception):
+    """The bridge did not answer a replay or snapshot request in time."""
+
+
+@dataclass
+class SubscriberStats:
+    batches: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    replayed: int = 0
+    lost: int = 0  # seqs no replay could supply (trimmed from the log)
+    malformed: int = 0
+
+
+class KvEventSubscriber:
+    def __init__(
+        self,
+        pub_endpoint: str,
+        replay_endpoint: str,
+        topic: str = "kv-events",
+        *,
+        default_source: str | None = None,
+        replay_timeout_s: float = 10.0,
+        idle_sync_s: float | None = 2.0,
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        self.topic = topic.encode()
+        self.default_source = default_source if default_source is not None else topic
+        self.replay_timeout_s = replay_timeout_s
+        # PUB/SUB shows a loss only when a later message arrives; when the stream goes quiet
+        # (say, right after a bridge restart) we ask the replay socket whether we missed any.
+        self.idle_sync_s = idle_sync_s
+        self._last_activity = time.monotonic()
+        self._own_ctx = ctx is None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = ctx or zmq.Context()
+        self._replay_endpoint = replay_endpoint
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.RCVHWM, 0)  # never drop on our side; gaps are the PUB's doing
+        self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self._sub.connect(pub_endpoint)
+        self._dealer = self._new_dealer()
+        self.lock = threading.RLock()
+        self.state = CacheState()
+        self.next_seq: int | None = None  # None: not yet bootstrapped nor following
+        self.stats = SubscriberStats()
+        self.last_ts = 0.0
+        self._on_batch: Callable[[int, WireBatch], None] | None = None
+
+    def on_batch(self, callback: Callable[[int, WireBatch], None] | None) -> None:
+        """Call ``callback(seq, batch)`` for every batch applied from the stream (not snapshots)."""
+        self._on_batch = callback
+
+    # -- bootstrap ---------------------------------------------------------------------------
+
+    def bootstrap(self) -> int:
+        """Load the full current state by snapshot; return the seq the stream continues from."""
+        frames_list, end = self._request([b"", SNAPSHOT])
+        by_source: dict[str, list[BlockStored]] = {}
+        for _topic, _seq, payload in frames_list:
+            batch = self._decode(payload)
+            if batch is None:
+                continue
+            for event, src in zip(batch.events, batch.sources, strict=True):
+                if isinstance(event, BlockStored):
+                    by_source.setdefault(src or self.default_source, []).append(event)
+        if len(end) != 8:
+            raise SubscriberError(f"snapshot end marker has a {len(end)}-byte seq frame")
+        next_seq = int.from_bytes(end, "big")
+        snap = Snapshot(0, tuple(SourceSnapshot(s, 0, 0, tuple(ev)) for s, ev in by_source.items()))
+        with self.lock:
+            self.state = CacheState.from_snapshot(snap)
+            self.next_seq = next_seq
+        return next_seq
+
+    def replay_from(self, seq: int) -> int:
+        """Apply every batch the bridge still has from ``seq`` on; return how many were applied."""
+        frames_list, _end = self._request([b"", seq_bytes(seq)])
+        if self.next_seq is None:
+            self.next_seq = seq
+        applied = 0
+        for _topic, seq_frame, payload in frames_list:
+            got = int.from_bytes(seq_frame, "big")
+            if got < self.next_seq:
+                continue
+            if got > self.next_seq:  # older batches are no longer in the log
+                self.stats.lost += got - self.next_seq
+                log.warning("replay starts at seq %d, wanted %d: lost from the log", got, self.next_seq)
+            self._apply(got, payload)
+            applied += 1
+        self.stats.replayed += applied
+        return applied
+
+    # -- live --------------------------------------------------------------------------------
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Apply the live batches that arrive within ``timeout_ms``; return how many."""
+        applied = 0
+        if not self._sub.poll(timeout_ms, zmq.POLLIN):
+            idle = time.monotonic() - self._last_activity
+            if self.idle_sync_s is not None and self.next_seq is not None and idle > self.idle_sync_s:
+                applied = self.catch_up()
+            return applied
+        self._last_activity = time.monotonic()
+        while True:
+            try:
+                frames = self._sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return applied
+            applied += self._handle_live(frames)
+
+    def catch_up(self) -> int:
+        """Replay whatever the bridge published after our last batch; return how many."""
+        self._last_activity = time.monotonic()
+        if self.next_seq is None:
+            return 0
+        try:
+            return self.replay_from(self.next_seq)
+        except SubscriberError as exc:
+            log.warning("catch-up failed: %s", exc)
+            return 0
+
+    def run_until(
+        self, predicate: Callable[[KvEventSubscriber], bool], timeout_s: float = 10.0
+    ) -> bool:
+        """Poll until ``predicate(self)`` holds; False when ``timeout_s`` passes first."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate(self):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.poll(int(min(left, 0.05) * 1000) + 1)
+        return True
+
+    def _handle_live(self, frames: list[bytes]) -> int:
+        if len(frames) != 3 or frames[0] != self.topic or len(frames[1]) != 8:
+            self.stats.malformed += 1
+            return 0
+        seq = int.from_bytes(frames[1], "big")
+        if self.next_seq is None:
+            self.next_seq = seq  # following live without a bootstrap: start here
+        if seq < self.next_seq:
+            self.stats.duplicates += 1
+            return 0
+        if seq > self.next_seq:
+            self.stats.gaps += 1
+            log.info("gap: got seq %d, expected %d; replaying", seq, self.next_seq)
+            try:
+                self.replay_from(self.next_seq)
+            except SubscriberError as exc:
+                log.warning("gap fill failed: %s", exc)
+            if seq < self.next_seq:
+                return 0
+            if seq > self.next_seq:
+                self.stats.lost += seq - self.next_seq
+        self._apply(seq, frames[2])
+        return 1
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self.next_seq = seq + 1
+        batch = self._decode(payload)
+        if batch is None:
+            return
+        with self.lock:
+            for source, events in _split_by_source(batch, self.default_source):
+                offset = self.state.offset + 1
+                self.state.apply(LogRecord(offset, source, 0, 0, batch.ts, tuple(events)))
+        self.stats.batches += 1
+        self.last_ts = batch.ts
+        if self._on_batch is not None:
+            self._on_batch(seq, batch)
+
+    def _decode(self, payload: bytes) -> WireBatch | None:
+        try:
+            return decode_batch(payload)
+        except SchemaError as exc:
+            self.stats.malformed += 1
+            log.warning("dropping a malformed batch: %s", exc)
+            return None
+
+    # -- replay socket -----------------------------------------------------------------------
+
+    def _new_dealer(self) -> zmq.Socket[bytes]:
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.connect(self._replay_endpoint)
+        return dealer
+
+    def _request(self, request: list[bytes]) -> tuple[list[tuple[bytes, bytes, bytes]], bytes]:
+        """Send a replay/snapshot request; return the batches and the end marker's seq frame."""
+        self._dealer.send_multipart(request)
+        out: list[tuple[bytes, bytes, bytes]] = []
+        deadline = time.monotonic() + self.replay_timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self._dealer.poll(left_ms, zmq.POLLIN):
+                # A late answer would be mistaken for the next one's: start on a fresh socket.
+                self._dealer.close()
+                self._dealer = self._new_dealer()
+                raise SubscriberError(f"no complete reply from {self._replay_endpoint} in time")
+            frames = self._dealer.recv_multipart()
+            if len(frames) != 4 or frames[0] != b"":
+                continue
+            _empty, topic, seq_frame, payload = frames
+            if payload == b"":
+                return out, seq_frame
+            out.append((topic, seq_frame, payload))
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def longest_prefix(
+        self,
+        token_ids: Sequence[int],
+        hasher: BlockHasher,
+        group_idx: int = 0,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> dict[str, PrefixMatch]:
+        """Per source, how many leading full blocks of ``token_ids`` are cached, and where."""
+        hashes = [to_wire(d) for d in hasher.hash_blocks(token_ids, extra_keys=extra_keys)]
+        with self.lock:
+            return self.state.longest_prefix(hashes, group_idx)
+
+    def view(self) -> dict[tuple[str, Medium, int], frozenset[int]]:
+        with self.lock:
+            return self.state.view()
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+        self._dealer.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    def __enter__(self) -> KvEventSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _split_by_source(batch: WireBatch, default: str) -> list[tuple[str, list[Event]]]:
+    """Consecutive events of one source form one record (a bridge batch has one source)."""
+    out: list[tuple[str, list[Event]]] = []
+    for event, src in zip(batch.events, batch.sources, strict=True):
+        source = src or default
+        if out and out[-1][0] == source:
+            out[-1][1].append(event)
+        else:
+            out.append((source, [event]))
+    return out

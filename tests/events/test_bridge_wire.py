@@ -1,0 +1,239 @@
+"""kv-bridge seen by a stock vLLM-style subscriber: its own msgspec schema written from WIRE.md,
+SUB with topic equality, DEALER replay. Nothing of ours is used on the receiving side."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import redis
+import zmq
+
+from events.schema import BlockRemoved, BlockStored, LogRecord
+from tests.support.bridge_proc import BridgeProcess, FleetSimulator, LogWriter
+
+# -- the consumer's own schema (map layout, vLLM v0.26) ----------------------------------------
+
+
+class VStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int = 0
+    kv_cache_spec_kind: str = "full_attention"
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class VRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int = 0
+
+
+class VCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True):
+    pass
+
+
+class VBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[VStored | VRemoved | VCleared]
+    data_parallel_rank: int | None = None
+
+
+# -- legacy layout (vLLM v0.23) -----------------------------------------------------------------
+
+
+class LStored(msgspec.Struct, tag="BlockStored", array_like=True):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class LRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class LCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
+    pass
+
+
+class LBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[LStored | LRemoved | LCleared]
+    data_parallel_rank: int | None = None
+
+
+END = b"\xff" * 8
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def _sub(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, topic: bytes) -> zmq.Socket[bytes]:
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, topic)
+    sock.connect(endpoint)
+    return sock
+
+
+def _wait_joined(sub: zmq.Socket[bytes], writer: LogWriter, sim: FleetSimulator) -> list[LogRecord]:
+    """Write records until the SUB gets one (the PUB drops what it sends before the join)."""
+    written: list[LogRecord] = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        written += sim.write(writer, 1)
+        if sub.poll(100):
+            return written
+    raise AssertionError("subscriber never joined")
+
+
+def _recv_live(sub: zmq.Socket[bytes], n: int) -> list[list[bytes]]:
+    out = []
+    for _ in range(n):
+        assert sub.poll(5000), f"only {len(out)} of {n} messages arrived"
+        out.append(sub.recv_multipart())
+    return out
+
+
+def _replay(dealer: zmq.Socket[bytes], start: int) -> list[list[bytes]]:
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    out = []
+    while True:
+        assert dealer.poll(5000), "replay did not finish"
+        frames = dealer.recv_multipart()
+        out.append(frames)
+        if frames[2] == END:
+            return out
+
+
+def _expected_wire(record: LogRecord) -> list[tuple[Any, ...]]:
+    out: list[tuple[Any, ...]] = []
+    for e in record.events:
+        if isinstance(e, BlockStored):
+            out.append(
+                ("S", list(e.block_hashes), e.parent_block_hash, list(e.token_ids), e.medium)
+            )
+        elif isinstance(e, BlockRemoved):
+            out.append(("R", list(e.block_hashes), e.medium))
+    return out
+
+
+def _got_wire(batch: VBatch | LBatch) -> list[tuple[Any, ...]]:
+    out: list[tuple[Any, ...]] = []
+    for e in batch.events:
+        if isinstance(e, VStored | LStored):
+            out.append(("S", e.block_hashes, e.parent_block_hash, e.token_ids, e.medium))
+        elif isinstance(e, VRemoved | LRemoved):
+            out.append(("R", e.block_hashes, e.medium))
+    return out
+
+
+def test_stock_subscriber_decodes_every_batch_and_replays_from_seq(
+    redis_url: str, client: redis.Redis, zctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path
+) -> None:
+    writer, sim = LogWriter(client), FleetSimulator(["engine-a", "engine-b", "offloadd"], seed=1)
+    bridge = BridgeProcess(redis_url, tmp_path, "--topic", "test")
+    bridge.start()
+    try:
+        sub = _sub(zctx, bridge.pub, b"test")
+        written = _wait_joined(sub, writer, sim)
+        first = sub.recv_multipart()
+        written += sim.write(writer, 40)
+        live = [first, *_recv_live(sub, 40)]
+        decoder = msgspec.msgpack.Decoder(VBatch)
+        by_offset = {r.offset: r for r in written}
+        seqs = []
+        for topic, seq_frame, payload in live:
+            assert topic == b"test"
+            seq = int.from_bytes(seq_frame, "big")
+            seqs.append(seq)
+            batch = decoder.decode(payload)
+            assert batch.data_parallel_rank == 0
+            assert _got_wire(batch) == _expected_wire(by_offset[seq + 1])  # seq = offset - 1
+        assert seqs == list(range(seqs[0], seqs[0] + 41))
+        assert seqs[-1] == written[-1].offset - 1
+
+        dealer = zctx.socket(zmq.DEALER)
+        dealer.connect(bridge.replay)
+        n = written[-1].offset
+        reply = _replay(dealer, 5)
+        assert [f[2] for f in reply[:-1]] == [s.to_bytes(8, "big") for s in range(5, n)]
+        assert all(f[:2] == [b"", b"test"] for f in reply[:-1])
+        for f in reply[:-1]:
+            seq = int.from_bytes(f[2], "big")
+            assert _got_wire(decoder.decode(f[3])) == _expected_wire(by_offset[seq + 1])
+        assert reply[-1] == [b"", b"", END, b""]
+        assert _replay(dealer, n + 10) == [[b"", b"", END, b""]]
+    finally:
+        assert bridge.stop() == 0
+
+
+def test_legacy_layout_decodes_with_a_v023_schema(
+    redis_url: str, client: redis.Redis, zctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path
+) -> None:
+    writer, sim = LogWriter(client), FleetSimulator(["engine-a"], seed=2)
+    written = sim.write(writer, 12)
+    bridge = BridgeProcess(redis_url, tmp_path, "--topic", "", "--layout", "legacy")
+    bridge.start()
+    try:
+        dealer = zctx.socket(zmq.DEALER)
+        dealer.connect(bridge.replay)
+        decoder = msgspec.msgpack.Decoder(LBatch)
+        got = [f[1:] for f in _replay(dealer, 0)]
+        assert got[-1] == [b"", END, b""]
+        got = got[:-1]
+        assert [int.from_bytes(f[1], "big") for f in got] == list(range(12))
+        assert all(f[0] == b"" for f in got)  # the topic is the empty string here
+        for f, record in zip(got, written, strict=True):
+            assert _got_wire(decoder.decode(f[2])) == _expected_wire(record)
+    finally:
+        bridge.stop()
+
+
+def test_malformed_replay_requests_are_ignored_and_service_continues(
+    redis_url: str, client: redis.Redis, zctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path
+) -> None:
+    writer, sim = LogWriter(client), FleetSimulator(["engine-a"], seed=3)
+    sim.write(writer, 5)
+    bridge = BridgeProcess(redis_url, tmp_path)
+    bridge.start()
+    try:
+        dealer = zctx.socket(zmq.DEALER)
+        dealer.connect(bridge.replay)
+        dealer.send_multipart([b"", b"abc"])  # seq too short
+        dealer.send_multipart([b"", b"\x00" * 9])  # seq too long
+        dealer.send_multipart([b"x", b"\x00" * 8])  # no empty delimiter
+        dealer.send_multipart([b"", b"\x00" * 8, b"topic", b"extra"])  # too many frames
+        dealer.send_multipart([b"", b"\x00" * 8, b"no-such-topic"])  # unknown topic
+        dealer.send_multipart([b"", END])  # the end marker is no start seq
+        assert not dealer.poll(300), "a malformed request got an answer"
+        reply = _replay(dealer, 3)
+        assert [int.from_bytes(f[2], "big") for f in reply[:-1]] == [3, 4]
+        assert bridge.health()[0] == 200
+        assert 'kvbridge_replay_requests_total{kind="malformed"} 5.0' in bridge.metrics()
+    finally:
+        assert bridge.stop() == 0
