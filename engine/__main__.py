@@ -1,0 +1,185 @@
+"""``kv-engine``: serve (gRPC Generate), generate (one-off), make-tiny-model (random checkpoint)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.config import DTYPES, EngineConfig
+from engine.errors import EngineError
+from engine.model.checkpoint import TinyModelSpec, write_tiny_model
+from engine.model.config import ModelConfigError
+from engine.sampling import SamplingParams
+
+log = logging.getLogger("engine")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--hash-seed", default="0")
+    p.add_argument("--hash-algo", default="sha256_cbor", choices=["sha256_cbor", "xxh3_128_cbor"])
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--engine-id", default="engine-0")
+
+
+def _engine_config(a: argparse.Namespace) -> EngineConfig:
+    cfg = EngineConfig(
+        model_dir=a.model, device=a.device, dtype=a.dtype, block_size=a.block_size,
+        num_gpu_blocks=a.num_gpu_blocks, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, hash_seed=a.hash_seed,
+        hash_algo=a.hash_algo, enable_prefix_caching=not a.no_prefix_caching, engine_id=a.engine_id,
+    )
+    cfg.validate()
+    return cfg
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kv-engine", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the gRPC Generate API")
+    _engine_args(serve)
+    serve.add_argument("--host", default="[::]")
+    serve.add_argument("--port", type=int, default=50061)
+    serve.add_argument("--offloadd", default=None, metavar="HOST:PORT",
+                       help="publish KV events to this offloadd (EventIngest); none: events stay local")
+    serve.add_argument("--max-unacked-batches", type=int, default=1024,
+                       help="event batches kept for resending while offloadd is away")
+    serve.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (-1: off, 0: any)")
+    serve.add_argument("--offload", action="store_true",
+                       help="use offloadd's host tier (store full blocks, load CPU-tier prefixes); needs --offloadd")
+    serve.add_argument("--model-namespace", default=None,
+                       help="host-tier namespace shared by engines of the same weights (default: model dir name)")
+    gen = sub.add_parser("generate", help="generate for one prompt and print the text")
+    _engine_args(gen)
+    gen.add_argument("--prompt", default=None)
+    gen.add_argument("--token-ids", default=None, help="comma-separated token ids instead of --prompt")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--show-events", action="store_true", help="print the KV events as well")
+    tiny = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint")
+    tiny.add_argument("dir")
+    tiny.add_argument("--hybrid", action="store_true", help="alternate full and sliding-window layers")
+    d = TinyModelSpec()
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "max_position_embeddings", "sliding_window", "num_shards", "seed"):
+        tiny.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    tiny.add_argument("--layers", type=int, dest="num_layers", help="alias of --num-layers")
+    tiny.add_argument("--tie-word-embeddings", action="store_true")
+    return parser
+
+
+def _make_tiny(a: argparse.Namespace) -> int:
+    spec = TinyModelSpec(
+        vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+        num_layers=a.num_layers, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+        max_position_embeddings=a.max_position_embeddings, hybrid=a.hybrid, sliding_window=a.sliding_window,
+        tie_word_embeddings=a.tie_word_embeddings, num_shards=a.num_shards, seed=a.seed,
+    )
+    if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads or spec.num_shards < 1:
+        raise ValueError("hidden_size must divide by num_heads, num_heads by num_kv_heads; num_shards >= 1")
+    print(write_tiny_model(a.dir, spec))
+    return 0
+
+
+def _generate(a: argparse.Namespace) -> int:
+    from engine.event_sink import RecordingEventSink
+    from engine.llm import LLM
+
+    if (a.prompt is None) == (a.token_ids is None):
+        raise ValueError("give exactly one of --prompt and --token-ids")
+    prompt: str | list[int] = a.prompt if a.prompt is not None else [int(t) for t in a.token_ids.split(",") if t.strip()]
+    sink = RecordingEventSink()
+    llm = LLM.from_config(_engine_config(a), event_sink=sink)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                            seed=a.seed, ignore_eos=a.ignore_eos)
+    out = llm.generate([prompt], params)[0].outputs[0]
+    print(out.text)
+    print(f"token_ids={out.token_ids} finish_reason={out.finish_reason}", file=sys.stderr)
+    if a.show_events:
+        for e in sink.events:
+            print(e, file=sys.stderr)
+    return 0
+
+
+def _serve(a: argparse.Namespace) -> int:
+    from engine.engine_core import EngineCore
+    from engine.engine_loop import EngineLoop
+    from engine.server import create_server
+
+    cfg = _engine_config(a)
+    sink = None
+    if a.offloadd:
+        from engine.ingest_sink import IngestEventSink
+
+        if a.max_unacked_batches < 1:
+            raise ValueError(f"--max-unacked-batches must be >= 1, got {a.max_unacked_batches}")
+        sink = IngestEventSink(a.offloadd, cfg.engine_id, max_pending=a.max_unacked_batches)
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry()
+    connector = None
+    if a.offload:
+        from engine.connector import OffloadingConnector
+        from engine.connector_config import OffloadConnectorConfig
+
+        if not a.offloadd:
+            raise ValueError("--offload needs --offloadd HOST:PORT")
+        namespace = a.model_namespace or Path(cfg.model_dir).resolve().name
+        connector = OffloadingConnector(OffloadConnectorConfig(a.offloadd, cfg.engine_id, namespace), registry=registry)
+    core = EngineCore(cfg, event_sink=sink, connector=connector)
+    loop = EngineLoop(core).start()
+    server, port = create_server(loop, f"{a.host}:{a.port}")
+    server.start()
+    log.info("serving Generate on port %d (model %s, device %s, engine_id %s)", port, cfg.model_dir, cfg.device, cfg.engine_id)
+    print(f"kv-engine: serving on port {port}", flush=True)
+    if a.metrics_port >= 0:
+        from engine.metrics import EngineCollector
+
+        registry.register(EngineCollector(loop, sink))
+        metrics_server, _thread = start_http_server(a.metrics_port, registry=registry)
+        log.info("metrics on port %d", metrics_server.server_port)
+        print(f"kv-engine: metrics on port {metrics_server.server_port}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    log.info("shutting down")
+    server.stop(grace=5).wait()
+    loop.stop()
+    if connector is not None:
+        connector.close()
+    core.event_sink.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "make-tiny-model":
+            return _make_tiny(args)
+        if args.command == "generate":
+            return _generate(args)
+        return _serve(args)
+    except (ValueError, ModelConfigError, EngineError, OSError) as exc:
+        print(f"kv-engine: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

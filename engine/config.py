@@ -1,0 +1,62 @@
+"""The engine's one frozen configuration, built at the entry point and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+
+from events.hashing import HASH_ALGOS, HashAlgo
+
+DTYPES: Final[dict[str, torch.dtype]] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; ``validate`` refuses inconsistent values with a clear message."""
+
+    model_dir: str
+    device: str = "cpu"
+    """torch device string: "cpu" (default) or "cuda" / "cuda:N"."""
+    dtype: str = "float32"
+    """Weights, activations and KV cache: float32, bfloat16 or float16 (half types need CUDA)."""
+    block_size: int = 16
+    """Tokens per KV block (and per hashed block)."""
+    num_gpu_blocks: int = 256
+    """KV pool size in blocks, per KV-cache group (one extra null block is reserved)."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step (prefill chunks + decodes)."""
+    max_num_seqs: int = 32
+    """Most requests running at once."""
+    max_model_len: int | None = None
+    """Prompt + output tokens per request; defaults to the model's max_position_embeddings."""
+    default_max_tokens: int = 64
+    """max_tokens for requests that give none (gRPC sends 0 for 'unset')."""
+    hash_seed: str = "0"
+    hash_algo: HashAlgo = "sha256_cbor"
+    enable_prefix_caching: bool = True
+    engine_id: str = "engine-0"
+    seed: int = 0
+    """Seeds sampling for requests that bring no seed of their own."""
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "float32" and not self.device.startswith("cuda"):
+            raise ValueError(f"dtype {self.dtype} needs a CUDA device; use float32 on {self.device}")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
+        for name in ("block_size", "num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,215 @@
+"""The engine loop: validate and add requests, then step (schedule -> run -> sample -> update).
+
+No I/O here: events are drained from the KV manager after every step and handed to an
+``EventSink``; the offload connector is reached only through its protocol.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequest
+from engine.event_sink import EventSink, NullEventSink
+from engine.kv_cache import KVCacheGroup, allocate_kv_cache, kv_group_specs, layer_slots
+from engine.kv_manager import KVCacheManager
+from engine.model.config import ModelConfig
+from engine.model.loader import load_model
+from engine.model.tokenizer import Tokenizer, load_tokenizer
+from engine.offload import NullConnector, OffloadConnector
+from engine.request import Request, StepOutput
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams, sample_token
+from engine.scheduler import Scheduler
+from events.hashing import BlockHasher
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        event_sink: EventSink | None = None,
+        connector: OffloadConnector | None = None,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model = load_model(config.model_dir, self.device, config.torch_dtype)
+        self.model_config: ModelConfig = self.model.config
+        self.tokenizer: Tokenizer = load_tokenizer(config.model_dir)
+        mcfg = self.model_config
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        if self.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{mcfg.max_position_embeddings}"
+            )
+        self.hasher = BlockHasher(config.hash_seed, config.block_size, config.hash_algo)
+        specs = kv_group_specs(mcfg)
+        self.kv_groups: list[KVCacheGroup] = allocate_kv_cache(
+            specs, mcfg, config.num_gpu_blocks, config.block_size, config.torch_dtype, self.device
+        )
+        self.kv = KVCacheManager(specs, config.num_gpu_blocks, config.block_size, self.hasher, config.enable_prefix_caching)
+        self.connector: OffloadConnector = connector or NullConnector()
+        self.connector.register_kv_caches(self.kv_groups)
+        self.scheduler = Scheduler(self.kv, self.connector, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.kv_groups, layer_slots(specs), self.kv, self.device)
+        self.event_sink: EventSink = event_sink or NullEventSink()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._seed_gen = torch.Generator().manual_seed(config.seed)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> Request:
+        """Validate and queue a request; raises InvalidRequest with a clear message."""
+        params.validate()
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._check_prompt(token_ids)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise InvalidRequest(f"request_id {rid!r} is already in use")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.config.default_max_tokens
+        longest = min(len(token_ids) + max_tokens, self.max_model_len)
+        need = -(-longest // self.config.block_size)
+        if need > self.config.num_gpu_blocks:
+            raise InvalidRequest(
+                f"request needs up to {need} KV blocks ({longest} tokens) but the pool has "
+                f"{self.config.num_gpu_blocks}; lower max_tokens or shorten the prompt"
+            )
+        gen = torch.Generator()
+        gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen)))
+        req = Request(
+            request_id=rid, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
+            eos_token_ids=() if params.ignore_eos else self.model_config.eos_token_ids,
+            generator=gen, prompt=text,
+        )
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequest("prompt is empty: give at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"prompt is too long: {len(token_ids)} tokens, but max_model_len is "
+                f"{self.max_model_len} (prompt + at least one new token must fit)"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token ids out of range [0, {vocab}): {bad[:5]}")
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, "abort")
+            self._flush_events()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            self._flush_events()
+            return []
+        sample_rows = [
+            i for i, s in enumerate(out.scheduled)
+            if s.start + s.num_new_tokens == s.request.num_tokens
+        ]
+        logits = self.runner.execute(out, sample_rows)
+        new_blocks = []
+        for s in out.scheduled:
+            s.request.num_computed_tokens = s.start + s.num_new_tokens
+            new_blocks.extend(self.kv.register_full_blocks(s.request))
+        if new_blocks:
+            self.connector.store(new_blocks)
+        outputs: list[StepOutput] = []
+        reqs = [out.scheduled[i].request for i in sample_rows]
+        if all(r.params.is_greedy and not r.params.return_logits for r in reqs):
+            # Greedy only: pick on the device and move token ids, not [rows, vocab] logits.
+            tokens = logits.argmax(dim=-1).tolist()
+            outputs = [self._append_token(r, None, t) for r, t in zip(reqs, tokens, strict=True)]
+        else:
+            logits_cpu = logits.cpu()
+            outputs = [self._append_token(r, logits_cpu[row]) for row, r in enumerate(reqs)]
+        self._flush_events()
+        return outputs
+
+    def _append_token(self, req: Request, logits: torch.Tensor | None, token: int | None = None) -> StepOutput:
+        if token is None:
+            assert logits is not None
+            token = sample_token(logits, req.params, req.generator)
+        if req.params.return_logits and logits is not None:
+            req.logits.append(logits.clone())
+        req.output_token_ids.append(token)
+        text = self.tokenizer.decode(req.output_token_ids)
+        reason = None
+        if token in req.eos_token_ids:
+            reason = "eos"
+        elif token in req.params.stop_token_ids:
+            reason = "stop"
+        for stop in req.params.stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
+                break
+        if reason is None and (len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        req.output_text = text
+        new_text = self._stream_text(req, text, finished=reason is not None)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            self.requests.pop(req.request_id, None)
+        return StepOutput(
+            request_id=req.request_id, new_token_ids=[token],
+            new_text=new_text,
+            finished=reason is not None, finish_reason=reason,
+            num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_external_cached_tokens=req.num_external_cached_tokens,
+        )
+
+    @staticmethod
+    def _stream_text(req: Request, text: str, finished: bool) -> str:
+        """Text safe to stream now: hold back a tail that may still become a stop string or
+        an incomplete UTF-8 character (decoded as U+FFFD until its last byte arrives)."""
+        hold = 0
+        if not finished:
+            hold = len(text) - len(text.rstrip("\ufffd"))
+            for stop in req.params.stop:
+                for k in range(len(stop) - 1, 0, -1):
+                    if text.endswith(stop[:k]):
+                        hold = max(hold, k)
+                        break
+        end = max(len(text) - hold, req.num_text_streamed)
+        out = text[req.num_text_streamed : end]
+        req.num_text_streamed = end
+        return out
+
+    def _flush_events(self) -> None:
+        events = self.kv.take_events()
+        if events:
+            self.event_sink.publish(events)
+        if self.event_sink.take_resync():
+            # The transport lost events and started a new incarnation (the daemon clears our
+            # GPU tier on it): announce everything still cached, as of this step boundary.
+            snapshot = self.kv.snapshot_events()
+            if snapshot:
+                self.event_sink.publish(snapshot)
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.kv.reset_prefix_cache()
+        self._flush_events()
+        return ok

@@ -1,0 +1,190 @@
+"""Block tables of running requests over every KV-cache group: prefix hits, slot allocation,
+sliding-window freeing, and registration of newly full blocks."""
+
+from __future__ import annotations
+
+from engine.block_pool import NULL_BLOCK_ID, BlockPool, all_blocks_cleared
+from engine.kv_cache import KVCacheGroupSpec
+from engine.offload import NewBlocks
+from engine.request import Request
+from events.hashing import BlockHasher
+from events.schema import Event
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        specs: list[KVCacheGroupSpec],
+        num_blocks: int,
+        block_size: int,
+        hasher: BlockHasher,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.block_size = block_size
+        self.hasher = hasher
+        self.enable_prefix_caching = enable_prefix_caching
+        self._events: list[Event] = []
+        self.pools = [
+            BlockPool(num_blocks, block_size, s.group_idx, s.kind, s.sliding_window, self._events)
+            for s in specs
+        ]
+        self.block_tables: dict[str, list[list[int]]] = {}
+
+    def take_events(self) -> list[Event]:
+        """Drain the events recorded since the last call, in mutation order."""
+        out = list(self._events)
+        self._events.clear()
+        return out
+
+    def _first_needed_block(self, pool: BlockPool, num_computed: int) -> int:
+        """Blocks before this index are invisible to every query at positions >= num_computed."""
+        if pool.sliding_window is None:
+            return 0
+        return max(0, num_computed - pool.sliding_window + 1) // self.block_size
+
+    def find_prefix_hit(self, req: Request) -> tuple[int, list[bytes]]:
+        """Longest usable cached prefix in blocks, and the digests of the request's full blocks
+        (at least one token is always left to compute, so the last token's logits exist)."""
+        if not self.enable_prefix_caching:
+            return 0, []
+        digests = req.block_digests(self.hasher, (req.num_tokens - 1) // self.block_size)
+        limit = len(digests)
+        for pool in self.pools:
+            if pool.sliding_window is None:
+                n = 0
+                while n < limit and pool.get_cached_block(digests[n]) is not None:
+                    n += 1
+                limit = n
+        for n in range(limit, 0, -1):
+            if all(
+                pool.get_cached_block(d) is not None
+                for pool in self.pools
+                if pool.sliding_window is not None
+                for d in digests[self._first_needed_block(pool, n * self.block_size) : n]
+            ):
+                return n, digests
+        return 0, digests
+
+    def allocate_for_admission(
+        self, req: Request, digests: list[bytes], num_hit: int, num_external: int, num_new_tokens: int
+    ) -> dict[int, list[int]] | None:
+        """Take the hit blocks and allocate the rest; None (and no change) when blocks run short.
+
+        Returns, per group, the blocks allocated for the ``num_external`` blocks to load."""
+        bs = self.block_size
+        num_computed = (num_hit + num_external) * bs
+        total = _cdiv(num_computed + num_new_tokens, bs)
+        plans: list[tuple[BlockPool, list[int], int, int]] = []
+        for pool in self.pools:
+            first = self._first_needed_block(pool, num_hit * bs)
+            hits = [
+                NULL_BLOCK_ID if i < first else pool.blocks_for(digests[i]) for i in range(num_hit)
+            ]
+            # Loaded sliding-window blocks that are already outside the window stay null: never
+            # read, so neither allocated, loaded nor hashed (the offload tier needs only the window).
+            skip = min(self._first_needed_block(pool, num_computed), num_hit + num_external) - num_hit
+            skip = max(0, skip)
+            need = total - num_hit - skip
+            if pool.num_free_blocks - pool.num_reclaimable(hits) < need:
+                return None
+            plans.append((pool, hits, need, skip))
+        table: list[list[int]] = []
+        loads: dict[int, list[int]] = {}
+        for pool, hits, need, skip in plans:
+            pool.touch(hits)
+            fresh = [NULL_BLOCK_ID] * skip + pool.allocate(need)
+            table.append(hits + fresh)
+            loads[pool.group_idx] = fresh[:num_external]
+        self.block_tables[req.request_id] = table
+        req.num_hashed_blocks = num_hit
+        return loads
+
+    def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
+        """Grow a running request's tables to hold ``num_new_tokens`` more tokens; first return
+        sliding-window blocks that no query can see any more to the pool."""
+        table = self.block_tables[req.request_id]
+        total = _cdiv(req.num_computed_tokens + num_new_tokens, self.block_size)
+        for pool, blocks in zip(self.pools, table, strict=True):
+            first = self._first_needed_block(pool, req.num_computed_tokens)
+            stale = [b for b in blocks[:first] if b != NULL_BLOCK_ID]
+            if stale:
+                pool.free(list(reversed(stale)))
+                blocks[:first] = [NULL_BLOCK_ID] * first
+        if any(p.num_free_blocks < total - len(t) for p, t in zip(self.pools, table, strict=True)):
+            return False
+        for pool, blocks in zip(self.pools, table, strict=True):
+            blocks.extend(pool.allocate(total - len(blocks)))
+        return True
+
+    def free(self, req: Request) -> None:
+        """Release every block of the request; tail blocks first, so they are evicted first."""
+        table = self.block_tables.pop(req.request_id, None)
+        if table is None:
+            return
+        for pool, blocks in zip(self.pools, table, strict=True):
+            pool.free(list(reversed(blocks)))
+
+    def register_full_blocks(self, req: Request) -> list[NewBlocks]:
+        """Hash the blocks that the last step completed; records BlockStored events."""
+        bs = self.block_size
+        num_full = req.num_computed_tokens // bs
+        start = req.num_hashed_blocks
+        if not self.enable_prefix_caching or num_full <= start:
+            req.num_hashed_blocks = max(start, num_full)
+            return []
+        digests = req.block_digests(self.hasher, num_full)
+        tokens = req.all_token_ids[start * bs : num_full * bs]
+        out: list[NewBlocks] = []
+        for pool, blocks in zip(self.pools, self.block_tables[req.request_id], strict=True):
+            # Null (out-of-window, never loaded) blocks at the front are skipped, not hashed.
+            lead = next((i for i in range(num_full - start) if blocks[start + i] != NULL_BLOCK_ID), num_full - start)
+            result = [NULL_BLOCK_ID] * lead + pool.cache_full_blocks(
+                blocks[start + lead : num_full], digests[start + lead : num_full], tokens[lead * bs :],
+                digests[start + lead - 1] if start + lead > 0 else None, start + lead,
+            )
+            fresh = [i for i, r in enumerate(result) if r is None]
+            for i, existing in enumerate(result):
+                if existing is not None and existing != NULL_BLOCK_ID:
+                    # Same tokens, same KV: share the cached block and drop our duplicate.
+                    pool.touch([existing])
+                    pool.free([blocks[start + i]])
+                    blocks[start + i] = existing
+            if fresh:
+                out.append(
+                    NewBlocks(
+                        request_id=req.request_id,
+                        group_idx=pool.group_idx,
+                        block_ids=tuple(blocks[start + i] for i in fresh),
+                        digests=tuple(digests[start + i] for i in fresh),
+                        block_indices=tuple(start + i for i in fresh),
+                        parents=tuple(digests[start + i - 1] if start + i > 0 else None for i in fresh),
+                        token_ids=tuple(tuple(tokens[i * bs : (i + 1) * bs]) for i in fresh),
+                    )
+                )
+        req.num_hashed_blocks = num_full
+        return out
+
+    def block_table(self, request_id: str) -> list[list[int]]:
+        return self.block_tables[request_id]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use, as in vLLM."""
+        if any(p.has_blocks_in_use() for p in self.pools):
+            return False
+        for p in self.pools:
+            p.clear_hashes()
+        self._events.append(all_blocks_cleared())
+        return True
+
+    def snapshot_events(self) -> list[Event]:
+        """Every cached block of every group as BlockStored events (parents first): what a
+        consumer that lost our stream needs to know to hold the same state again."""
+        return [e for p in self.pools for e in p.snapshot_events()]
+
+    @property
+    def num_free_blocks(self) -> list[int]:
+        return [p.num_free_blocks for p in self.pools]

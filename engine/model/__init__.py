@@ -1,0 +1,1 @@
+"""The Llama-family decoder, its Hugging Face loader, tokenizers and a tiny checkpoint writer."""

@@ -1,0 +1,81 @@
+"""Hook points for an offload connector (a second KV tier), and the null connector.
+
+The scheduler calls ``lookup``/``load`` on admission, after the GPU prefix-cache hit; the engine
+calls ``store`` after every step with the blocks that became full and got their hash in it, and
+``request_finished`` when a request leaves. The real connector (engine/connector.py) talks to
+offloadd; the engine core only knows this protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.kv_cache import KVCacheGroup
+
+
+@dataclass(frozen=True)
+class NewBlocks:
+    """Blocks of one request and one group that were computed, became full and were hashed in
+    the last step; their KV is in ``KVCacheGroup.tensor[block_ids[i]]``."""
+
+    request_id: str
+    group_idx: int
+    block_ids: tuple[int, ...]
+    digests: tuple[bytes, ...]
+    """Full digests (chained, as events.hashing.BlockHasher computes them)."""
+    block_indices: tuple[int, ...]
+    """Position of each block in the request (block i holds tokens [i*bs, (i+1)*bs))."""
+    parents: tuple[bytes | None, ...] = ()
+    """Digest of the block before each one in the request (None for block 0)."""
+    token_ids: tuple[tuple[int, ...], ...] = ()
+    """The ``block_size`` token ids of each block (a second tier logs them with the block)."""
+
+
+class OffloadConnector(Protocol):
+    def register_kv_caches(self, groups: Sequence[KVCacheGroup]) -> None:
+        """Called once at engine start with every group's tensor, block_bytes, dtype and layout."""
+        ...
+
+    def lookup(self, request_id: str, digests: Sequence[bytes], num_gpu_hit_blocks: int) -> int:
+        """On admission: how many blocks right after the GPU hit (``digests[num_gpu_hit_blocks:]``,
+        contiguous) the second tier can load. Blocks returned here should stay pinned until
+        ``load`` or ``request_finished``."""
+        ...
+
+    def load(
+        self, request_id: str, digests: Sequence[bytes], block_ids: Mapping[int, Sequence[int]]
+    ) -> None:
+        """Copy the KV of ``digests`` into the freshly allocated GPU blocks ``block_ids[group]``
+        (aligned with ``digests``) before the step runs. Must complete (or raise) synchronously."""
+        ...
+
+    def store(self, new_blocks: Sequence[NewBlocks]) -> None:
+        """After a step: blocks that became full and hashed in it. Must not block generation."""
+        ...
+
+    def request_finished(self, request_id: str) -> None:
+        """The request finished or was aborted/preempted; release whatever it pinned."""
+        ...
+
+
+class NullConnector:
+    """No second tier: nothing to load, nothing stored."""
+
+    def register_kv_caches(self, groups: Sequence[KVCacheGroup]) -> None:
+        pass
+
+    def lookup(self, request_id: str, digests: Sequence[bytes], num_gpu_hit_blocks: int) -> int:
+        return 0
+
+    def load(
+        self, request_id: str, digests: Sequence[bytes], block_ids: Mapping[int, Sequence[int]]
+    ) -> None:
+        pass
+
+    def store(self, new_blocks: Sequence[NewBlocks]) -> None:
+        pass
+
+    def request_finished(self, request_id: str) -> None:
+        pass

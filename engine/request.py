@@ -1,0 +1,104 @@
+"""A request's state inside the engine, and the outputs handed back to callers."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from engine.sampling import SamplingParams
+from events.hashing import BlockHasher
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """Tokens, progress and sampling state of one sequence."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_token_ids: tuple[int, ...]
+    generator: torch.Generator
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    """Tokens served from the GPU prefix cache at first admission (-1 until admitted)."""
+    num_external_cached_tokens: int = 0
+    """Tokens loaded from the offload tier at first admission."""
+    num_hashed_blocks: int = 0
+    """Leading full blocks already registered in the block pool (or skipped as duplicates)."""
+    finish_reason: str | None = None
+    output_text: str = ""
+    num_text_streamed: int = 0
+    """Characters of output_text already streamed (the rest may still change or be cut)."""
+    logits: list[Tensor] = field(default_factory=list)
+    _digests: list[bytes] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def block_digests(self, hasher: BlockHasher, num_blocks: int) -> list[bytes]:
+        """Full digests of the first ``num_blocks`` full blocks, computed once and chained."""
+        bs = hasher.block_size
+        tokens = self.all_token_ids
+        while len(self._digests) < num_blocks:
+            i = len(self._digests)
+            parent = self._digests[-1] if self._digests else None
+            self._digests.append(hasher.hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+        return self._digests[:num_blocks]
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logits: list[Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What ``LLM.generate`` returns per prompt (the shape of vLLM's)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    num_external_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """New tokens of one request in one step (what the streaming server sends)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_external_cached_tokens: int
