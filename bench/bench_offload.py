@@ -1,0 +1,267 @@
+"""Host-tier offload benchmark: scattered-block copy bandwidth, and TTFT cold / GPU hit / CPU hit.
+
+    python bench/bench_offload.py bandwidth --device cuda        # vs the pinned-copy limit
+    python bench/bench_offload.py ttft --device cuda --model 1b  # needs redis-server on PATH
+    python bench/bench_offload.py all --device cpu --out results.json
+
+``bandwidth`` moves N blocks between a KV tensor and arena slots in random (scattered) order with
+the connector's own batched copies (engine.offload_copy), and in the same run measures the
+limit: one contiguous copy of the same bytes between device memory and pinned host memory (on
+CPU: one contiguous memcpy). ``ttft`` runs a real offloadd (subprocess, Redis) and an engine with
+the real connector; per iteration a new prompt: cold, GPU hit, reset, CPU hit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from engine.offload_copy import ArenaBlocks  # noqa: E402
+from offloadd.arena import ArenaGeometry, ArenaMapping, create_chunk_file  # noqa: E402
+
+MODELS: dict[str, dict[str, Any]] = {
+    # Llama-3.2-1B's shape with a smaller vocabulary (the vocabulary does not touch the KV).
+    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_layers=16,
+               num_heads=32, num_kv_heads=8, max_position_embeddings=8192, init_std=0.02),
+    "tiny-plain": dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=4,
+                       num_heads=8, num_kv_heads=2, max_position_embeddings=4096),
+    "tiny-hybrid": dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=4,
+                        num_heads=8, num_kv_heads=2, max_position_embeddings=4096, hybrid=True,
+                        sliding_window=128),
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Any, device: torch.device, reps: int) -> float:
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bandwidth(device: torch.device, num_blocks: int, block_shape: tuple[int, ...],
+              arena_dir: str, reps: int, modes: list[str]) -> list[dict[str, Any]]:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kv = torch.randn((num_blocks * 2 + 1, *block_shape), device=device).to(dtype)
+    block_bytes = kv[0].numel() * kv.element_size()
+    nbytes = num_blocks * block_bytes
+    spc = max(1, (256 << 20) // block_bytes)
+    max_slots = num_blocks * 2
+    nchunks = -(-max_slots // spc)
+    geometry = ArenaGeometry(block_bytes, spc, nchunks * spc, os.path.join(arena_dir, "bench-C{chunk}"))
+    for c in range(nchunks):
+        create_chunk_file(geometry.chunk_path(c), geometry.chunk_file_bytes, 0o600, None)
+    rng = random.Random(0)
+    ids = rng.sample(range(1, num_blocks * 2 + 1), num_blocks)
+    scattered = rng.sample(range(max_slots), num_blocks)
+    first = rng.randrange(max_slots - num_blocks)
+    runs = list(range(first, first + num_blocks))  # as fresh reservations come
+    rows: list[dict[str, Any]] = []
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    limit_store = nbytes / _timed(lambda: pinned.copy_(flat, non_blocking=True), device, reps)
+    limit_load = nbytes / _timed(lambda: flat.copy_(pinned, non_blocking=True), device, reps)
+    # The arena's own contiguous limit: whole chunk files to/from device memory, one copy each
+    # (registered shared-memory pages can behave unlike cudaHostAlloc'd ones).
+    probe = ArenaBlocks(ArenaMapping(geometry), block_shape, dtype, device)
+    chunks = [probe.host_chunk(c).view(-1).view(torch.uint8) for c in range(nchunks)]
+    sizes = [min(c.numel(), nbytes - i * c.numel()) for i, c in enumerate(chunks)]
+
+    def arena_copy(to_host: bool) -> None:
+        off = 0
+        for c, n in zip(chunks, sizes, strict=True):
+            if n <= 0:
+                break
+            if to_host:
+                c[:n].copy_(flat[off : off + n], non_blocking=True)
+            else:
+                flat[off : off + n].copy_(c[:n], non_blocking=True)
+            off += n
+
+    arena_store = nbytes / _timed(lambda: arena_copy(True), device, reps)
+    arena_load = nbytes / _timed(lambda: arena_copy(False), device, reps)
+    chunks.clear()
+    probe.close()
+    probe.mapping.close()
+    cases = [(m, name, sl) for name, sl in (("scattered", scattered), ("runs", runs))
+             for m in (modes if device.type == "cuda" else ["cpu"])]
+    for mode, slot_kind, slots in cases:
+        base_mode, _, nstreams = mode.partition("-")
+        arena = ArenaBlocks(ArenaMapping(geometry), block_shape, dtype, device,
+                            base_mode if mode != "cpu" else "auto", int(nstreams or 1))
+        store = nbytes / _timed(lambda a=arena, s=slots: a.write(a.gather(kv, ids), s), device, reps)
+        dst = kv.clone()
+        load = nbytes / _timed(lambda a=arena, d=dst, s=slots: a.read(d, ids, s), device, reps)
+        ok = torch.equal(dst[ids], kv[ids])
+        rows.append(dict(mode=mode, slots=slot_kind, blocks=num_blocks, block_bytes=block_bytes, bytes=nbytes,
+                         store_GBps=store / 1e9, load_GBps=load / 1e9,
+                         limit_store_GBps=limit_store / 1e9, limit_load_GBps=limit_load / 1e9,
+                         store_ratio=store / limit_store, load_ratio=load / limit_load,
+                         arena_limit_store_GBps=arena_store / 1e9, arena_limit_load_GBps=arena_load / 1e9,
+                         correct=ok))
+        arena.close()
+        arena.mapping.close()
+    for c in range(nchunks):
+        os.unlink(geometry.chunk_path(c))
+    return rows
+
+
+def _profile(llm: Any, conn: Any, rng: random.Random, vocab: int, n: int, params: Any) -> None:
+    """Where a GPU hit and a CPU hit spend their time (cProfile, top functions by own time)."""
+    import cProfile
+    import pstats
+
+    prompt = [rng.randrange(vocab) for _ in range(n)]
+    llm.generate(prompt, params)
+    for name in ("gpu_hit", "cpu_hit"):
+        if name == "cpu_hit":
+            conn.flush()
+            llm.reset_prefix_cache()
+        prof = cProfile.Profile()
+        prof.enable()
+        llm.generate(prompt, params)
+        prof.disable()
+        print(f"--- profile: {name}")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
+def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir: Path,
+         limit_load_GBps: float | None, profile: bool = False) -> dict[str, Any]:
+    from engine.connector import OffloadingConnector
+    from engine.connector_config import OffloadConnectorConfig
+    from engine.llm import LLM
+    from engine.model.checkpoint import TinyModelSpec, write_tiny_model
+    from engine.sampling import SamplingParams
+    from tests.support.offloadd_proc import DaemonProcess
+    from tests.support.redis_proc import RedisProcess
+
+    spec = MODELS[model]
+    model_dir = write_tiny_model(workdir / model, TinyModelSpec(**spec))
+    redis = RedisProcess(workdir / "redis")
+    redis.start()
+    kv_token_bytes = 0
+    daemon = DaemonProcess(workdir / "offloadd", redis.url, "bench", capacity_bytes=8 << 30,
+                           chunk_bytes=1 << 30)
+    daemon.arena_dir = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    daemon.args[daemon.args.index("--arena-dir") + 1] = str(daemon.arena_dir)
+    daemon.start()
+    try:
+        conn = OffloadingConnector(OffloadConnectorConfig(daemon.target, "bench-0", model))
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+        llm = LLM(str(model_dir), connector=conn, device=str(device), dtype=dtype,
+                  num_gpu_blocks=prompt_len // 16 * 2 + 16, max_num_batched_tokens=prompt_len + 64,
+                  max_model_len=prompt_len + 64)
+        kv_token_bytes = sum(g.block_bytes for g in llm.engine.kv_groups) // 16
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        rng = random.Random(1)
+        vocab = spec["vocab_size"]
+        times: dict[str, list[float]] = {"cold": [], "gpu_hit": [], "cpu_hit": []}
+        for it in range(iters + 1):  # the first iteration warms up and is not counted
+            prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+            sample: dict[str, float] = {}
+            for name in ("cold", "gpu_hit"):
+                t0 = time.perf_counter()
+                llm.generate(prompt, params)
+                sample[name] = time.perf_counter() - t0
+                # Let the background store finish so that it does not share the next
+                # measurement (one Python process: the worker competes for the GIL).
+                conn.flush()
+            assert llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            out = llm.generate(prompt, params)
+            sample["cpu_hit"] = time.perf_counter() - t0
+            assert out[0].num_external_cached_tokens > 0, "no CPU-tier hit"
+            conn.flush()
+            assert llm.reset_prefix_cache()
+            if it:
+                for k, v in sample.items():
+                    times[k].append(v)
+        if profile:
+            _profile(llm, conn, rng, vocab, prompt_len, params)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        kv_bytes = kv_token_bytes * prompt_len
+        result: dict[str, Any] = dict(model=model, device=str(device), prompt_len=prompt_len,
+                                      iters=iters, kv_bytes=kv_bytes,
+                                      **{f"{k}_ms": v * 1e3 for k, v in med.items()},
+                                      cold_over_cpu_hit=med["cold"] / med["cpu_hit"],
+                                      cpu_hit_wins=sum(c > h for c, h in zip(times["cold"], times["cpu_hit"], strict=True)),
+                                      connector=conn.stats())
+        if limit_load_GBps:
+            bound = kv_bytes / (limit_load_GBps * 1e9) + med["gpu_hit"]
+            result.update(bound_ms=bound * 1e3, cpu_hit_over_bound=med["cpu_hit"] / bound)
+        conn.close()
+        return result
+    finally:
+        daemon.stop()
+        redis.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["bandwidth", "ttft", "all"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", default=None, help="1b, tiny-plain, tiny-hybrid (default: by device)")
+    p.add_argument("--prompt-len", type=int, default=None)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--blocks", type=int, default=None)
+    p.add_argument("--modes", default="auto,kernel,memcpy", help="memcpy-N: N DMA streams")
+    p.add_argument("--arena-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    p.add_argument("--profile", action="store_true", help="cProfile one GPU hit and one CPU hit")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    a = p.parse_args()
+    device = torch.device(a.device)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    limit = None
+    if a.what in ("bandwidth", "all"):
+        # The 1B model's block: 16 layers x K,V x 16 tokens x 8 heads x 64 dims (512 KiB bf16).
+        shape = (16, 2, 16, 8, 64) if device.type == "cuda" else (4, 2, 16, 2, 64)
+        blocks = a.blocks or (2048 if device.type == "cuda" else 1024)
+        rows = bandwidth(device, blocks, shape, a.arena_dir, 5, a.modes.split(","))
+        results["bandwidth"] = rows
+        print(f"{'slots':9} {'mode':8} {'MiB':>7} {'store GB/s':>10} {'limit':>7} {'ratio':>6} {'load GB/s':>10} {'limit':>7} {'ratio':>6} ok")
+        for r in rows:
+            print(f"{r['slots']:9} {r['mode']:8} {r['bytes'] / 2**20:7.0f} {r['store_GBps']:10.2f} {r['limit_store_GBps']:7.2f} "
+                  f"{r['store_ratio']:6.2f} {r['load_GBps']:10.2f} {r['limit_load_GBps']:7.2f} {r['load_ratio']:6.2f} {r['correct']}")
+        print(f"contiguous copies of whole arena chunk files (the arena's own limit): "
+              f"store {rows[0]['arena_limit_store_GBps']:.2f} GB/s, load {rows[0]['arena_limit_load_GBps']:.2f} GB/s")
+        limit = rows[0]["limit_load_GBps"]
+    if a.what in ("ttft", "all"):
+        models = [a.model] if a.model else (["1b"] if device.type == "cuda" else ["tiny-plain", "tiny-hybrid"])
+        plen = a.prompt_len or (4096 if device.type == "cuda" else 1024)
+        results["ttft"] = []
+        for m in models:
+            with tempfile.TemporaryDirectory() as tmp:
+                r = ttft(device, m, plen, a.iters, Path(tmp), limit, a.profile)
+            results["ttft"].append(r)
+            print(f"{m}: prompt {plen}  cold {r['cold_ms']:.1f} ms  GPU hit {r['gpu_hit_ms']:.1f} ms  "
+                  f"CPU hit {r['cpu_hit_ms']:.1f} ms  cold/CPU-hit {r['cold_over_cpu_hit']:.1f}x  "
+                  f"wins {r['cpu_hit_wins']}/{a.iters}"
+                  + (f"  bound {r['bound_ms']:.1f} ms (CPU hit / bound {r['cpu_hit_over_bound']:.2f})" if "bound_ms" in r else ""))
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

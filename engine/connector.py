@@ -1,0 +1,314 @@
+"""The offload connector: the engine's side of offloadd's host tier (a second KV tier).
+
+- **Store**: after each step, the blocks that became full are snapshotted with one gather per
+  group (stream-ordered after the step's compute, so the GPU blocks may be reused right after)
+  and handed to :class:`engine.offload_worker.OffloadWorker`, which reserves slots, copies the
+  snapshot into the arena (a side stream on CUDA) and commits, which logs ``BlockStored(CPU)``.
+- **Load**: on admission, after the GPU prefix hit, the longest prefix that is ready in the host
+  tier is pinned under a lease (``lookup``), scattered into the freshly allocated blocks with one
+  copy per group (``load``, on the compute stream) and released once the copy completed. A
+  hybrid model needs every full-attention block of the prefix and, of the sliding-window group,
+  only the blocks that cover the window at its end (engine.offload_lookup).
+- The offloaded block may be a multiple of the engine block (``block_size_multiple``,
+  engine.offload_store).
+- Any daemon failure is logged and counted and the engine runs on without the host tier; an
+  unreachable daemon is retried every ``retry_register_s``.
+
+Only ``offloadd.client`` is used to reach the daemon (DESIGN.md 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from prometheus_client.registry import CollectorRegistry
+
+from engine.block_pool import NULL_BLOCK_ID
+from engine.connector_config import OffloadConnectorConfig
+from engine.kv_cache import KVCacheGroup
+from engine.offload import NewBlocks
+from engine.offload_copy import ArenaBlocks
+from engine.offload_lookup import GroupHitInput, hit_length, lookup_keys
+from engine.offload_metrics import OffloadMetrics
+from engine.offload_store import StoreBatcher
+from engine.offload_worker import OffloadWorker, ReleaseJob, StoreJob
+from offloadd.client import (
+    GroupQuery,
+    GroupSpec,
+    OffloadClient,
+    OffloadClientError,
+    RetryPolicy,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Pinned:
+    """A lookup's result, pinned under ``lease_id`` until loaded or the request leaves."""
+
+    lease_id: str
+    num_blocks: int
+    """Engine blocks after the GPU hit that can be loaded."""
+    first_block: int
+    """Engine index of the first offloaded block's first engine block (<= the GPU hit)."""
+    num_gpu_hit: int
+    slots: dict[int, tuple[int, ...]]
+    """Per group, the daemon slot of each offloaded block from ``first_block`` on."""
+
+
+class OffloadingConnector:
+    """Implements engine.offload.OffloadConnector against an offloadd daemon."""
+
+    def __init__(
+        self,
+        config: OffloadConnectorConfig,
+        client: OffloadClient | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.config = config
+        self.client = client or OffloadClient(
+            config.target, timeout_s=config.timeout_s, retry=RetryPolicy(attempts=2)
+        )
+        self.incarnation = config.incarnation or time.time_ns() // 1000  # a restart fences the last
+        self.metrics = OffloadMetrics()
+        if registry is not None:
+            self.metrics.register(registry, config.engine_id)
+        self.k = config.block_size_multiple
+        self.batcher = StoreBatcher(self.k)
+        self.groups: list[KVCacheGroup] = []
+        self.arenas: dict[int, ArenaBlocks] = {}
+        self.worker: OffloadWorker | None = None
+        self._registered = False
+        self._next_register_at = 0.0
+        self._pinned: dict[str, _Pinned] = {}
+        self._seen: set[str] = set()
+        self._just_loaded: set[bytes] = set()
+        """Digests loaded this step: the engine reports them as new blocks; no need to store."""
+
+    # -- registration -------------------------------------------------------------------
+
+    def register_kv_caches(self, groups: Sequence[KVCacheGroup]) -> None:
+        self.groups = list(groups)
+        if not self.config.enabled or not self.groups:
+            return
+        device = self.groups[0].tensor.device
+        self.worker = OffloadWorker(
+            self.client, self.config.engine_id, self.config.lease_ms, self.metrics,
+            self._mark_unregistered, device,
+        )
+        self._register()
+
+    def _specs(self) -> list[GroupSpec]:
+        return [
+            GroupSpec(
+                group_idx=g.spec.group_idx, kind=g.spec.kind,
+                sliding_window=g.spec.sliding_window or 0, block_size=g.block_size * self.k,
+                block_bytes=g.block_bytes * self.k, dtype=str(g.dtype).removeprefix("torch."),
+                layout=f"{g.layout}:{'x'.join(str(d) for d in g.tensor.shape[1:])}",
+            )
+            for g in self.groups
+        ]
+
+    def _register(self) -> bool:
+        try:
+            reg = self.client.register_engine(
+                self.config.engine_id, self.incarnation, self.config.model_namespace, self._specs()
+            )
+        except OffloadClientError as exc:
+            log.warning("offloadd registration failed (retrying in %.1fs): %s",
+                        self.config.retry_register_s, exc)
+            self.metrics.add(errors=1)
+            self._next_register_at = time.monotonic() + self.config.retry_register_s
+            return False
+        for arena in self.arenas.values():
+            arena.close()
+        self.arenas = {
+            g.spec.group_idx: ArenaBlocks.in_engine_blocks(
+                reg.groups[g.spec.group_idx], self.k, g.tensor, self.config.copy_mode
+            )
+            for g in self.groups
+        }
+        self._registered = True
+        return True
+
+    def _mark_unregistered(self) -> None:
+        self._registered = False  # the daemon forgot us (e.g. a cold restart): register again
+
+    def _active(self) -> bool:
+        if not self.config.enabled or self.worker is None:
+            return False
+        if self._registered:
+            return True
+        if time.monotonic() < self._next_register_at:
+            return False
+        return self._register()
+
+    # -- load ---------------------------------------------------------------------------
+
+    def lookup(self, request_id: str, digests: Sequence[bytes], num_gpu_hit_blocks: int) -> int:
+        self._unpin(request_id)  # an admission retried after a shortage looks up again
+        if request_id not in self._seen:
+            self._seen.add(request_id)
+            self.metrics.add(gpu_hit_tokens=num_gpu_hit_blocks * self._block_size())
+        k, hit = self.k, num_gpu_hit_blocks
+        first, keys = lookup_keys(digests, hit, k)
+        if not keys or not self.config.load or not self._active():
+            return 0
+        # Sliding-window groups look up every key: only the window at the end is needed.
+        queries = [GroupQuery(g.spec.group_idx, keys, prefix_only=g.spec.sliding_window is None)
+                   for g in self.groups]
+        try:
+            outcome = self.client.lookup(self.config.engine_id, queries, pin=True,
+                                         lease_ms=self.config.lease_ms)
+        except OffloadClientError as exc:
+            self._failed("lookup", exc)
+            return 0
+        self.metrics.add(lookups=1)
+        results = {r.group_idx: r for r in outcome.results}
+        inputs = {
+            g.spec.group_idx: GroupHitInput(
+                g.spec.sliding_window,
+                results[g.spec.group_idx].num_prefix if g.spec.group_idx in results else 0,
+                results[g.spec.group_idx].slots if g.spec.group_idx in results else (-1,) * len(keys),
+            )
+            for g in self.groups
+        }
+        num = hit_length(inputs, len(keys), first, hit, k, self._block_size())
+        if num == 0:
+            if outcome.lease_id:
+                self._release_later(outcome.lease_id, None)
+            return 0
+        num_ext = (first + num) * k - hit
+        self._pinned[request_id] = _Pinned(
+            outcome.lease_id, num_ext, first * k, hit,
+            {gi: x.slots[:num] for gi, x in inputs.items()},
+        )
+        return num_ext
+
+    def load(
+        self, request_id: str, digests: Sequence[bytes], block_ids: Mapping[int, Sequence[int]]
+    ) -> None:
+        pinned = self._pinned.pop(request_id, None)
+        n = len(digests)
+        if pinned is None or n > pinned.num_blocks:
+            raise RuntimeError(
+                f"load of {n} blocks for {request_id!r} without a matching lookup "
+                f"({0 if pinned is None else pinned.num_blocks} pinned)"
+            )
+        cuda = self.groups[0].tensor.device.type == "cuda"
+        timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        t0 = time.perf_counter()
+        if timing is not None:
+            timing[0].record()
+        nbytes = 0
+        try:
+            k, base = self.k, pinned.first_block
+            positions = [pinned.num_gpu_hit + i - base for i in range(n)]
+            for g in self.groups:
+                gi = g.spec.group_idx
+                slots = pinned.slots[gi]
+                # Null ids: sliding-window blocks already outside the window, left unloaded.
+                pairs = [(b, p) for b, p in zip(list(block_ids[gi])[:n], positions, strict=True)
+                         if b != NULL_BLOCK_ID]
+                if any(slots[p // k] < 0 for _, p in pairs):
+                    raise RuntimeError(f"group {gi}: asked to load a block the lookup did not find")
+                self.arenas[gi].read(g.tensor, [b for b, _ in pairs],
+                                     [slots[p // k] * k + p % k for _, p in pairs])
+                nbytes += len(pairs) * g.block_bytes
+        except Exception:
+            self._release_later(pinned.lease_id, None)
+            raise
+        done = None
+        if timing is not None:
+            timing[1].record()
+            done = timing[1]
+        else:
+            self.metrics.add(load_copy_seconds=time.perf_counter() - t0)
+        self.metrics.add(blocks_loaded=n, bytes_loaded=nbytes, cpu_hit_tokens=n * self._block_size())
+        self._just_loaded.update(digests)
+        self._release_later(pinned.lease_id, done, timing)
+
+    def request_finished(self, request_id: str) -> None:
+        self._unpin(request_id)
+        self.batcher.drop(request_id)
+        self._seen.discard(request_id)
+
+    def _unpin(self, request_id: str) -> None:
+        pinned = self._pinned.pop(request_id, None)
+        if pinned is not None:
+            self._release_later(pinned.lease_id, None)
+
+    def _release_later(
+        self, lease_id: str, done: torch.cuda.Event | None,
+        timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
+    ) -> None:
+        if lease_id and self.worker is not None:
+            self.worker.submit(ReleaseJob(lease_id, done, timing))
+
+    # -- store --------------------------------------------------------------------------
+
+    def store(self, new_blocks: Sequence[NewBlocks]) -> None:
+        skip, self._just_loaded = self._just_loaded, set()
+        if not new_blocks or not self.config.store or not self._active():
+            return
+        assert self.worker is not None
+        by_group: dict[int, list[NewBlocks]] = {}
+        for nb in new_blocks:
+            by_group.setdefault(nb.group_idx, []).append(nb)
+        for g in self.groups:
+            batch = by_group.get(g.spec.group_idx)
+            if batch:
+                self._store_group(g, batch, skip)
+
+    def _store_group(self, group: KVCacheGroup, batch: list[NewBlocks], skip: set[bytes]) -> None:
+        assert self.worker is not None
+        arena = self.arenas[group.spec.group_idx]
+        if self.metrics.counters.pending_store_bytes > self.config.max_pending_store_bytes:
+            self.metrics.add(stores_dropped=1)
+            return
+        out = self.batcher.batch(group, arena, batch, skip)
+        if out is None:
+            return
+        nbytes = out.staging.numel() * out.staging.element_size()
+        if self.metrics.counters.pending_store_bytes + nbytes > self.config.max_pending_store_bytes:
+            self.metrics.add(stores_dropped=1)
+            return
+        ready = None
+        if out.staging.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        self.metrics.add(pending_store_bytes=nbytes)
+        self.worker.submit(StoreJob(group.spec.group_idx, arena, out.staging, ready, out.blocks, self.k))
+
+    # -- misc ---------------------------------------------------------------------------
+
+    def _block_size(self) -> int:
+        return self.groups[0].block_size if self.groups else 0
+
+    def _failed(self, what: str, exc: OffloadClientError) -> None:
+        log.warning("offload %s failed: %s", what, exc)
+        self.metrics.add(errors=1)
+        if "not registered" in exc.message:
+            self._mark_unregistered()
+
+    def stats(self) -> dict[str, float]:
+        """Counters: bytes/blocks stored and loaded, copy seconds, hit tokens per tier, errors."""
+        return self.metrics.snapshot()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued store and release is done (tests, benchmarks, shutdown)."""
+        return self.worker.wait_idle(timeout_s) if self.worker is not None else True
+
+    def close(self) -> None:
+        for request_id in list(self._pinned):
+            self._unpin(request_id)
+        if self.worker is not None:
+            self.worker.close()
+        for arena in self.arenas.values():
+            arena.close()
+        self.client.close()

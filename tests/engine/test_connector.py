@@ -1,0 +1,237 @@
+"""The offload connector against a real offloadd (subprocess, real Redis) and real tiny models."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+from engine.connector import OffloadingConnector
+from engine.connector_config import OffloadConnectorConfig
+from engine.llm import LLM
+from engine.sampling import SamplingParams
+from offloadd.client import OffloadClient
+from tests.support.offloadd_proc import DaemonProcess
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, return_logits=True)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, redis_url: str) -> Iterator[DaemonProcess]:
+    proc = DaemonProcess(tmp_path / "d", redis_url, "c" + uuid.uuid4().hex[:8],
+                         capacity_bytes=32 << 20, chunk_bytes=1 << 20)
+    proc.start()
+    yield proc
+    proc.kill()
+
+
+@pytest.fixture(params=["plain", "hybrid"])
+def model(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(f"{request.param}_model")
+
+
+def _connector(daemon: DaemonProcess, engine_id: str = "e1", **kw: object) -> OffloadingConnector:
+    return OffloadingConnector(
+        OffloadConnectorConfig(target=daemon.target, engine_id=engine_id, model_namespace="tiny", **kw)  # type: ignore[arg-type]
+    )
+
+
+def _llm(model: Path, connector: OffloadingConnector | None = None) -> LLM:
+    return LLM(str(model), connector=connector, num_gpu_blocks=64, max_num_batched_tokens=256)
+
+
+def _loaded_bytes(llm: LLM, num_blocks: int) -> int:
+    total = 0
+    for g in llm.engine.kv_groups:
+        window = g.spec.sliding_window
+        first = 0 if window is None else max(0, num_blocks * BS - window + 1) // BS
+        total += (num_blocks - first) * g.block_bytes
+    return total
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def test_store_then_cpu_hit_equals_reference(model: Path, daemon: DaemonProcess) -> None:
+    conn = _connector(daemon)
+    llm, ref = _llm(model, conn), _llm(model)
+    prompt = _prompt(5 * BS + 7, 1)  # 5 full blocks + 7 tokens
+    first = llm.generate(prompt, GREEDY)[0]
+    assert conn.flush()
+    groups = len(llm.engine.kv_groups)
+    # Prompt + 6 new tokens = 93 tokens: the 5 full prompt blocks are stored, in every group.
+    with OffloadClient(daemon.target) as c:
+        assert c.stats().num_blocks == 5 * groups
+    assert llm.reset_prefix_cache()
+    again = llm.generate(prompt, GREEDY)[0]
+    expected = ref.generate(prompt, GREEDY)[0]
+    assert first.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert again.num_cached_tokens == 0
+    assert again.num_external_cached_tokens == 5 * BS
+    assert again.outputs[0].token_ids == expected.outputs[0].token_ids
+    got, want = again.outputs[0].logits, expected.outputs[0].logits
+    assert got is not None and want is not None
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1.3e-6, atol=1e-5)
+    assert conn.flush()
+    s = conn.stats()
+    block_bytes = sum(g.block_bytes for g in llm.engine.kv_groups)
+    assert s["blocks_stored"] == 5 * groups and s["bytes_stored"] == 5 * block_bytes
+    # Sliding-window groups load only the blocks that cover the window at the end of the hit,
+    # and the engine leaves the others null: not allocated, not hashed.
+    assert s["blocks_loaded"] == 5 and s["bytes_loaded"] == _loaded_bytes(llm, 5)
+    digests = llm.engine.hasher.hash_blocks(prompt)
+    for pool in llm.engine.kv.pools:
+        window = pool.sliding_window
+        first_needed = 0 if window is None else max(0, 5 * BS - window + 1) // BS
+        assert set(pool.hash_to_block) == set(digests[first_needed:5])
+    assert s["cpu_hit_tokens"] == 5 * BS and s["errors"] == 0
+    assert s["blocks_already_stored"] == 0  # loaded blocks are not stored back
+    with OffloadClient(daemon.target) as c:  # the load's lease was released
+        assert sum(x.num_pinned for x in c.stats().layouts) == 0
+    conn.close()
+
+
+def test_offloaded_block_spans_engine_blocks(model: Path, daemon: DaemonProcess) -> None:
+    conn = _connector(daemon, block_size_multiple=2)
+    llm, ref = _llm(model, conn), _llm(model)
+    groups = len(llm.engine.kv_groups)
+    prompt = _prompt(5 * BS + 10, 9)
+    out = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert conn.flush()
+    # 97 computed tokens = 6 full engine blocks; engine block 5 filled up during decode and
+    # completed the third offloaded block (engine blocks 4 and 5) one step later than block 4.
+    with OffloadClient(daemon.target) as c:
+        assert c.stats().num_blocks == 3 * groups
+    s = conn.stats()
+    assert s["blocks_stored"] == 3 * groups
+    assert s["bytes_stored"] == 6 * sum(g.block_bytes for g in llm.engine.kv_groups)
+    seq = (prompt + out.outputs[0].token_ids)[: 6 * BS + 1]
+    assert llm.reset_prefix_cache()
+    got = llm.generate(seq, GREEDY)[0]
+    assert (got.num_cached_tokens, got.num_external_cached_tokens) == (0, 6 * BS)
+    want = ref.generate(seq, GREEDY)[0].outputs[0].token_ids
+    assert got.outputs[0].token_ids == want
+    # A GPU hit that ends inside an offloaded block: the load starts in the middle of it.
+    assert conn.flush() and llm.reset_prefix_cache()
+    llm.generate(seq[: 3 * BS + 1], GREEDY)
+    got = llm.generate(seq, GREEDY)[0]
+    assert (got.num_cached_tokens, got.num_external_cached_tokens) == (3 * BS, 3 * BS)
+    assert got.outputs[0].token_ids == want
+    conn.close()
+
+
+def test_gpu_hit_then_cpu_tier_extends_it(plain_model: Path, daemon: DaemonProcess) -> None:
+    conn = _connector(daemon)
+    llm, ref = _llm(plain_model, conn), _llm(plain_model)
+    long_prompt = _prompt(6 * BS + 3, 2)
+    llm.generate(long_prompt, GREEDY)
+    assert conn.flush() and llm.reset_prefix_cache()
+    llm.generate(long_prompt[: 2 * BS + 1], GREEDY)  # GPU now holds the first 2 blocks
+    out = llm.generate(long_prompt, GREEDY)[0]
+    assert (out.num_cached_tokens, out.num_external_cached_tokens) == (2 * BS, 4 * BS)
+    assert out.outputs[0].token_ids == ref.generate(long_prompt, GREEDY)[0].outputs[0].token_ids
+    assert conn.stats()["gpu_hit_tokens"] == 2 * BS
+    conn.close()
+
+
+def test_two_engines_share_one_daemon(model: Path, daemon: DaemonProcess) -> None:
+    a, b = _connector(daemon, "engine-a"), _connector(daemon, "engine-b")
+    llm_a, llm_b = _llm(model, a), _llm(model, b)
+    prompt = _prompt(4 * BS + 1, 3)
+    want = llm_a.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    assert a.flush()
+    out = llm_b.generate(prompt, GREEDY)[0]
+    assert out.num_external_cached_tokens == 4 * BS
+    assert out.outputs[0].token_ids == want
+    a.close()
+    b.close()
+
+
+def test_daemon_failure_never_breaks_generation(plain_model: Path, daemon: DaemonProcess) -> None:
+    conn = _connector(daemon, retry_register_s=60.0, timeout_s=1.0)
+    llm, ref = _llm(plain_model, conn), _llm(plain_model)
+    daemon.kill()
+    prompt = _prompt(3 * BS + 2, 4)
+    out = llm.generate(prompt, GREEDY)[0]
+    assert conn.flush()
+    assert out.outputs[0].token_ids == ref.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    assert out.num_external_cached_tokens == 0
+    assert conn.stats()["errors"] >= 1
+    conn.close()
+
+
+def test_unreachable_at_start_registers_later(plain_model: Path, daemon: DaemonProcess) -> None:
+    daemon.stop()
+    conn = _connector(daemon, retry_register_s=0.0, timeout_s=1.0)
+    llm = _llm(plain_model, conn)
+    assert conn.stats()["errors"] == 1
+    daemon.restart()
+    prompt = _prompt(2 * BS + 1, 5)
+    llm.generate(prompt, GREEDY)
+    assert conn.flush()
+    assert conn.stats()["blocks_stored"] == 2
+    conn.close()
+
+
+def test_disabled_connector_is_inert(plain_model: Path, daemon: DaemonProcess) -> None:
+    conn = _connector(daemon, enabled=False)
+    llm = _llm(plain_model, conn)
+    llm.generate(_prompt(3 * BS, 6), GREEDY)
+    with OffloadClient(daemon.target) as c:
+        st = c.stats()
+        assert (st.num_engines, st.num_blocks) == (0, 0)
+    assert conn.stats()["blocks_stored"] == 0
+    conn.close()
+
+
+def test_store_dropped_when_too_much_is_pending(plain_model: Path, daemon: DaemonProcess) -> None:
+    conn = _connector(daemon, max_pending_store_bytes=1)
+    llm = _llm(plain_model, conn)
+    llm.generate(_prompt(2 * BS + 1, 7), GREEDY)
+    assert conn.flush()
+    s = conn.stats()
+    assert (s["stores_dropped"], s["blocks_stored"]) == (1, 0)
+    conn.close()
+
+
+def test_prometheus_export(plain_model: Path, daemon: DaemonProcess) -> None:
+    registry = CollectorRegistry()
+    conn = OffloadingConnector(
+        OffloadConnectorConfig(target=daemon.target, engine_id="e1", model_namespace="tiny"),
+        registry=registry,
+    )
+    llm = _llm(plain_model, conn)
+    llm.generate(_prompt(2 * BS + 1, 8), GREEDY)
+    assert conn.flush()
+    text = generate_latest(registry).decode()
+    assert 'kv_engine_offload_blocks_stored_total{engine_id="e1"} 2.0' in text
+    assert 'kv_engine_offload_pending_store_bytes{engine_id="e1"} 0.0' in text
+    conn.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"target": ""}, "target"),
+        ({"engine_id": ""}, "engine_id"),
+        ({"model_namespace": ""}, "model_namespace"),
+        ({"block_size_multiple": 0}, "block_size_multiple must be >= 1"),
+        ({"lease_ms": -1}, "lease_ms"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"max_pending_store_bytes": 0}, "max_pending_store_bytes"),
+        ({"copy_mode": "dma"}, "copy_mode"),
+    ],
+)
+def test_config_refuses_bad_values(kwargs: dict[str, object], message: str) -> None:
+    base: dict[str, object] = {"target": "127.0.0.1:1", "engine_id": "e", "model_namespace": "m"}
+    with pytest.raises(ValueError, match=message):
+        OffloadConnectorConfig(**{**base, **kwargs})  # type: ignore[arg-type]
