@@ -1,0 +1,17 @@
+# One image for every kvoffload process (offloadd, kv-bridge, kv-engine, kvctl).
+FROM python:3.11-slim
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /app
+# torch pinned and taken from the CPU index (override TORCH_INDEX for a CUDA build)
+RUN pip install --index-url "$TORCH_INDEX" torch==2.13.0
+COPY pyproject.toml README.md ./
+COPY proto ./proto
+COPY events ./events
+COPY engine ./engine
+COPY offloadd ./offloadd
+COPY stack ./stack
+RUN pip install ".[engine,plot]"
+RUN useradd --create-home --uid 1000 kv
+USER kv
+CMD ["kvctl", "--help"]

@@ -1,0 +1,141 @@
+"""Brings the stack up as local processes: a private redis-server (unless a Redis URL is given),
+offloadd, kv-bridge and one engine, each checked for readiness, logs in the run directory."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from stack.healthcheck import grpc_serving, http_ok
+from stack.supervisor import StackError, Supervisor
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    run_dir: Path
+    redis_url: str = ""
+    """Empty: start a private redis-server in the run directory."""
+    namespace: str = "demo"
+    model_dir: Path | None = None
+    """A Hugging Face directory; None: write a small random-weight model into the run directory."""
+    hybrid: bool = False
+    arena_bytes: int = 512 << 20
+    num_gpu_blocks: int = 48
+    topic: str = "kv-events"
+    arena_dir: str = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    redis_url: str
+    offloadd: str
+    offloadd_metrics: str
+    bridge_pub: str
+    bridge_replay: str
+    bridge_metrics: str
+    engines: tuple[str, ...]
+
+
+def port_or_free(preferred: int) -> int:
+    """The preferred port when nothing listens there, else any free one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", preferred))
+            return preferred
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+
+def _py(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+class Stack:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        self.sup = Supervisor(config.run_dir)
+        self.model_dir = config.model_dir or config.run_dir / "model"
+        self._engine_count = 0
+        self.endpoints: Endpoints | None = None
+
+    def up(self) -> Endpoints:
+        cfg = self.config
+        redis_url = cfg.redis_url or self._start_redis()
+        grpc_port, metrics_port = port_or_free(50051), port_or_free(9400)
+        self.sup.start("offloadd", _py(
+            "offloadd", "--grpc-host=127.0.0.1", f"--grpc-port={grpc_port}",
+            f"--metrics-port={metrics_port}", f"--redis-url={redis_url}",
+            f"--namespace={cfg.namespace}", f"--arena-dir={cfg.arena_dir}",
+            f"--capacity-bytes={cfg.arena_bytes}", f"--chunk-bytes={min(cfg.arena_bytes, 128 << 20)}",
+        ), ready=lambda: grpc_serving(f"127.0.0.1:{grpc_port}"))
+        pub, replay, bmetrics = port_or_free(5557), port_or_free(5558), port_or_free(9401)
+        self.sup.start("kv-bridge", _py(
+            "events.bridge_main", f"--redis-url={redis_url}", f"--namespace={cfg.namespace}",
+            f"--pub=tcp://127.0.0.1:{pub}", f"--replay=tcp://127.0.0.1:{replay}",
+            f"--topic={cfg.topic}", f"--metrics-port={bmetrics}", "--metrics-host=127.0.0.1",
+        ), ready=lambda: http_ok(f"http://127.0.0.1:{bmetrics}/healthz"))
+        self._ensure_model()
+        self.endpoints = Endpoints(
+            redis_url=redis_url, offloadd=f"127.0.0.1:{grpc_port}",
+            offloadd_metrics=f"http://127.0.0.1:{metrics_port}/metrics",
+            bridge_pub=f"tcp://127.0.0.1:{pub}", bridge_replay=f"tcp://127.0.0.1:{replay}",
+            bridge_metrics=f"http://127.0.0.1:{bmetrics}/metrics", engines=(),
+        )
+        self.add_engine()
+        return self.endpoints
+
+    def add_engine(self) -> str:
+        """Start one more engine attached to the daemon; return its gRPC target."""
+        assert self.endpoints is not None, "up() first"
+        n = self._engine_count
+        self._engine_count += 1
+        port = port_or_free(50061 + n)
+        self.sup.start(f"engine-{n}", _py(
+            "engine", "serve", f"--model={self.model_dir}", "--host=127.0.0.1", f"--port={port}",
+            f"--engine-id=engine-{n}", f"--num-gpu-blocks={self.config.num_gpu_blocks}",
+            f"--offloadd={self.endpoints.offloadd}", "--offload",
+        ), ready=lambda: grpc_serving(f"127.0.0.1:{port}"), timeout_s=120)
+        target = f"127.0.0.1:{port}"
+        self.endpoints = Endpoints(**{**self.endpoints.__dict__,
+                                      "engines": (*self.endpoints.engines, target)})
+        return target
+
+    def down(self) -> None:
+        self.sup.stop_all()
+
+    def _start_redis(self) -> str:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise StackError("redis-server not found: install it (scripts/setup does) or set REDIS_URL")
+        port = port_or_free(6390)
+        data = self.config.run_dir / "redis"
+        data.mkdir(exist_ok=True)
+        self.sup.start("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
+                                 "--appendonly", "yes", "--save", "", "--protected-mode", "yes"],
+                       ready=lambda: _redis_ping(port))
+        return f"redis://127.0.0.1:{port}/0"
+
+    def _ensure_model(self) -> None:
+        if (self.model_dir / "config.json").exists():
+            return
+        # Big enough that a prefill costs clearly more than loading its KV from the host tier.
+        args = ["make-tiny-model", str(self.model_dir), "--hidden-size=256",
+                "--intermediate-size=768", "--num-layers=6", "--num-heads=8", "--num-kv-heads=4",
+                "--max-position-embeddings=4096"]
+        if self.config.hybrid:
+            args.append("--hybrid")
+        self.sup.run_once("make-model", _py("engine", *args))
+
+
+def _redis_ping(port: int) -> tuple[bool, str]:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return b"PONG" in s.recv(64), f"redis on {port}"
+    except OSError as exc:
+        return False, f"redis on {port}: {exc}"

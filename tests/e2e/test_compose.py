@@ -1,0 +1,142 @@
+"""compose.yaml checked statically (no Docker engine here): its shape against the Compose
+spec's keys, every reference between services, every command and environment variable parsed
+by the real parsers of our processes, and ports consistent with their defaults."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from engine.__main__ import _parser as engine_parser
+from events.bridge_config import BridgeConfig, config_from_args
+from offloadd.config import OffloaddConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+TOP_KEYS = {"name", "services", "volumes", "networks", "configs", "secrets"}
+SERVICE_KEYS = {
+    "build", "image", "command", "entrypoint", "environment", "env_file", "ports", "expose",
+    "volumes", "depends_on", "healthcheck", "restart", "ipc", "shm_size", "profiles", "deploy",
+    "user", "networks", "labels", "ulimits", "working_dir", "stop_grace_period", "stop_signal",
+}
+CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
+
+
+def _interpolate(value: str) -> str:
+    """Compose's ${VAR:-default} with nothing set: the default."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def _services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    services = compose["services"]
+    assert isinstance(services, dict)
+    return services
+
+
+def _env(service: dict[str, Any]) -> dict[str, str]:
+    return {k: _interpolate(str(v)) for k, v in service.get("environment", {}).items()}
+
+
+def _published(service: dict[str, Any]) -> set[int]:
+    out = set()
+    for p in service.get("ports", []):
+        host, container = str(p).split(":")
+        assert host == container, f"{p}: publish on the same port"
+        out.add(int(container))
+    return out
+
+
+def test_shape_follows_the_compose_spec(compose: dict[str, Any]) -> None:
+    assert set(k for k in compose if not k.startswith("x-")) <= TOP_KEYS
+    services = _services(compose)
+    assert {"redis", "offloadd", "kv-bridge", "engine"} <= set(services)
+    for name, svc in services.items():
+        unknown = set(svc) - SERVICE_KEYS
+        assert not unknown, f"{name}: keys not in the Compose spec: {unknown}"
+        assert "image" in svc or "build" in svc, name
+        hc = svc.get("healthcheck")
+        if hc is not None:
+            assert hc["test"][0] in ("CMD", "CMD-SHELL"), name
+    assert services["engine-gpu"]["profiles"] == ["gpu"]
+    gpu = services["engine-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+
+
+def test_references_resolve(compose: dict[str, Any]) -> None:
+    services = _services(compose)
+    volumes = set(compose.get("volumes", {}))
+    for name, svc in services.items():
+        for dep, spec in svc.get("depends_on", {}).items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            assert spec["condition"] in CONDITIONS
+            if spec["condition"] == "service_healthy":
+                assert "healthcheck" in services[dep], f"{dep} has no healthcheck"
+        for v in svc.get("volumes", []):
+            src = str(v).split(":")[0]
+            assert src in volumes, f"{name}: volume {src} not declared"
+        ipc = svc.get("ipc")
+        if ipc and ipc.startswith("service:"):
+            owner = ipc.split(":", 1)[1]
+            assert services[owner]["ipc"] == "shareable", f"{owner} must share its IPC namespace"
+            assert services[owner].get("shm_size"), f"{owner} needs room in /dev/shm for the arena"
+
+
+def test_commands_exist_in_the_project(compose: dict[str, Any]) -> None:
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    for name, svc in _services(compose).items():
+        if "build" not in svc:
+            continue
+        cmd = svc["command"]
+        assert cmd[0] in scripts or cmd[0] == "sh", f"{name}: {cmd[0]} is not a console script"
+        health = svc.get("healthcheck", {}).get("test", [])
+        if "stack.healthcheck" in health:
+            assert (ROOT / "stack" / "healthcheck.py").exists()
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for pkg in ("proto", "events", "engine", "offloadd", "stack"):
+        assert f"COPY {pkg} ./{pkg}" in dockerfile, pkg
+    assert "torch==2.13.0" in dockerfile
+
+
+def test_offloadd_config_parses_and_ports_match(compose: dict[str, Any]) -> None:
+    svc = _services(compose)["offloadd"]
+    cfg = load_config(svc["command"][1:], _env(svc))
+    assert cfg.grpc_port == OffloaddConfig().grpc_port == 50051
+    assert cfg.metrics_port == OffloaddConfig().metrics_port
+    assert _published(svc) == {cfg.grpc_port, cfg.metrics_port}
+    assert cfg.redis_url.startswith("redis://redis:")
+    assert f"localhost:{cfg.grpc_port}" in svc["healthcheck"]["test"]
+
+
+def test_bridge_config_parses_and_ports_match(compose: dict[str, Any]) -> None:
+    svc = _services(compose)["kv-bridge"]
+    cfg = config_from_args(svc["command"][1:], _env(svc))
+    default = BridgeConfig()
+    ports = {int(e.rsplit(":", 1)[1]) for e in (cfg.pub_endpoint, cfg.replay_endpoint)}
+    assert ports == {int(e.rsplit(":", 1)[1]) for e in (default.pub_endpoint, default.replay_endpoint)}
+    assert cfg.metrics_port == default.metrics_port
+    assert _published(svc) == ports | {cfg.metrics_port}
+    assert f"http://localhost:{cfg.metrics_port}/healthz" in svc["healthcheck"]["test"]
+
+
+@pytest.mark.parametrize("name", ["engine", "engine-gpu"])
+def test_engine_command_parses_and_ports_match(compose: dict[str, Any], name: str) -> None:
+    svc = _services(compose)[name]
+    args = engine_parser().parse_args([_interpolate(a) for a in svc["command"][1:]])
+    assert args.command == "serve"
+    assert args.offloadd == "offloadd:50051" and args.offload
+    assert _published(svc) == {args.port, args.metrics_port}
+    assert f"localhost:{args.port}" in svc["healthcheck"]["test"]
+    assert svc["ipc"] == "service:offloadd"
+    if name == "engine":
+        assert args.port == engine_parser().parse_args(["serve", "--model=m"]).port
