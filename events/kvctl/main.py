@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Final
 
+from events.kvctl import demo as demo_cmd
 from events.kvctl import diff as diff_cmd
 from events.kvctl import hash as hash_cmd
 from events.kvctl import plot as plot_cmd
@@ -36,6 +37,7 @@ COMMANDS: Final[tuple[ModuleType, ...]] = (
     stats_cmd,
     tail_cmd,
     plot_cmd,
+    demo_cmd,
 )
 
 __all__ = ["COMMANDS", "KvctlError", "build_parser", "main"]
@@ -56,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; user errors print one line and return 2, never a traceback."""
     parser = build_parser()
-    args = parser.parse_args(argv)  # argparse itself exits 2 with usage on bad flags
+    # argparse exits 2 with usage on bad flags; a command that passes its options on to another
+    # program (demo) sets passthrough=True and gets the ones kvctl does not know.
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     handler: Handler = args.handler
     try:
         return handler(args)

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -37,11 +39,12 @@ def _alive(pids: dict[str, int]) -> list[str]:
     return alive
 
 
-def test_run_command_demo_short(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", [["scripts/run", "demo"], ["kvctl", "demo"]], ids=["run", "kvctl"])
+def test_run_command_demo_short(tmp_path: Path, command: list[str]) -> None:
     run_dir = tmp_path / "run"
+    exe = str(ROOT / command[0]) if command[0].startswith("scripts/") else str(Path(sys.executable).parent / command[0])
     proc = subprocess.run(
-        [str(ROOT / "scripts" / "run"), "demo", "--short", f"--run-dir={run_dir}",
-         f"--arena-dir={tmp_path / 'arena'}"],
+        [exe, command[1], "--short", f"--run-dir={run_dir}", f"--arena-dir={tmp_path / 'arena'}"],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
