@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -45,6 +46,21 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
     return cfg
 
 
+def _security_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("security (see SECURITY.md); secrets come from files, never flag values")
+    g.add_argument("--tls-cert", default="", metavar="PEM", help="serve Generate over TLS with this certificate chain")
+    g.add_argument("--tls-key", default="", metavar="PEM", help="the private key of --tls-cert")
+    g.add_argument("--tls-client-ca", default="", metavar="PEM",
+                   help="mutual TLS: clients must present a certificate signed by this CA")
+    g.add_argument("--auth-token-file", default=os.environ.get("KV_ENGINE_AUTH_TOKEN_FILE", ""), metavar="FILE",
+                   help="Generate callers must send 'authorization: Bearer <token in FILE>' (env KV_ENGINE_AUTH_TOKEN_FILE)")
+    g.add_argument("--offloadd-ca", default="", metavar="PEM", help="reach offloadd over TLS, trusting this CA")
+    g.add_argument("--offloadd-cert", default="", metavar="PEM", help="client certificate for offloadd (mutual TLS)")
+    g.add_argument("--offloadd-key", default="", metavar="PEM", help="the private key of --offloadd-cert")
+    g.add_argument("--offloadd-token-file", default=os.environ.get("KVD_AUTH_TOKEN_FILE", ""), metavar="FILE",
+                   help="bearer token for offloadd (env KVD_AUTH_TOKEN_FILE, the daemon's own setting)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv-engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="use offloadd's host tier (store full blocks, load CPU-tier prefixes); needs --offloadd")
     serve.add_argument("--model-namespace", default=None,
                        help="host-tier namespace shared by engines of the same weights (default: model dir name)")
+    _security_args(serve)
     gen = sub.add_parser("generate", help="generate for one prompt and print the text")
     _engine_args(gen)
     gen.add_argument("--prompt", default=None)
@@ -120,15 +137,21 @@ def _serve(a: argparse.Namespace) -> int:
     from engine.engine_core import EngineCore
     from engine.engine_loop import EngineLoop
     from engine.server import create_server
+    from offloadd.tls import ClientSecurity, check_server_tls, read_token, server_credentials
 
     cfg = _engine_config(a)
+    check_server_tls(a.tls_cert, a.tls_key, a.tls_client_ca)
+    server_creds = server_credentials(a.tls_cert, a.tls_key, a.tls_client_ca) if a.tls_cert else None
+    token = read_token(a.auth_token_file) if a.auth_token_file else None
+    to_offloadd = ClientSecurity.from_files(a.offloadd_ca, a.offloadd_cert, a.offloadd_key, a.offloadd_token_file)
     sink = None
     if a.offloadd:
         from engine.ingest_sink import IngestEventSink
 
         if a.max_unacked_batches < 1:
             raise ValueError(f"--max-unacked-batches must be >= 1, got {a.max_unacked_batches}")
-        sink = IngestEventSink(a.offloadd, cfg.engine_id, max_pending=a.max_unacked_batches)
+        sink = IngestEventSink(a.offloadd, cfg.engine_id, max_pending=a.max_unacked_batches,
+                               security=to_offloadd)
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()
@@ -139,11 +162,17 @@ def _serve(a: argparse.Namespace) -> int:
 
         if not a.offloadd:
             raise ValueError("--offload needs --offloadd HOST:PORT")
+        from offloadd.client import OffloadClient, RetryPolicy
+
         namespace = a.model_namespace or Path(cfg.model_dir).resolve().name
-        connector = OffloadingConnector(OffloadConnectorConfig(a.offloadd, cfg.engine_id, namespace), registry=registry)
+        conn_cfg = OffloadConnectorConfig(a.offloadd, cfg.engine_id, namespace)
+        # Built here rather than by the connector, which knows no credentials: same settings.
+        client = OffloadClient(conn_cfg.target, timeout_s=conn_cfg.timeout_s, retry=RetryPolicy(attempts=2),
+                               credentials=to_offloadd.credentials, token=to_offloadd.token)
+        connector = OffloadingConnector(conn_cfg, client=client, registry=registry)
     core = EngineCore(cfg, event_sink=sink, connector=connector)
     loop = EngineLoop(core).start()
-    server, port = create_server(loop, f"{a.host}:{a.port}")
+    server, port = create_server(loop, f"{a.host}:{a.port}", credentials=server_creds, token=token)
     server.start()
     log.info("serving Generate on port %d (model %s, device %s, engine_id %s)", port, cfg.model_dir, cfg.device, cfg.engine_id)
     print(f"kv-engine: serving on port {port}", flush=True)

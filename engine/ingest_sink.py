@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 
 from events.schema import Event
-from offloadd.client import IngestStream
+from offloadd.client import ClientSecurity, IngestStream
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +27,15 @@ class IngestEventSink:
         incarnation: int | None = None,
         max_pending: int = 1024,
         watch_interval_s: float = 0.5,
+        security: ClientSecurity | None = None,
     ) -> None:
         self.target = target
         self.max_pending = max_pending
         self._resync = threading.Event()
         self.stream = IngestStream(
-            target, engine_id, incarnation, max_pending=max_pending, on_reset=self._on_reset
+            target, engine_id, incarnation, max_pending=max_pending, on_reset=self._on_reset,
+            credentials=security.credentials if security else None,
+            token=security.token if security else None,
         )
         self.num_published = 0
         self.num_publish_errors = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,6 +19,7 @@ from kvcache.v1 import generate_pb2, generate_pb2_grpc
 from engine.engine_loop import EngineLoop
 from engine.errors import EngineError, InvalidRequest
 from engine.sampling import SamplingParams
+from offloadd.auth import SyncTokenInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +76,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
 
 def create_server(
-    loop: EngineLoop, address: str = "[::]:0", max_workers: int = 32
+    loop: EngineLoop, address: str = "[::]:0", max_workers: int = 32, *,
+    credentials: grpc.ServerCredentials | None = None, token: str | None = None,
 ) -> tuple[grpc.Server, int]:
-    """A started-ready (not started) server with Generate, health and reflection; and its port."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"))
+    """A started-ready (not started) server with Generate, health and reflection; and its port.
+
+    ``credentials`` (offloadd.tls.server_credentials) serve TLS or mutual TLS; with ``token``
+    every call but health must carry ``authorization: Bearer <token>`` (offloadd.auth)."""
+    interceptors: list[grpc.ServerInterceptor[Any, Any]] | None = (
+        [SyncTokenInterceptor(token)] if token is not None else None)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+                         interceptors=interceptors)
     generate_pb2_grpc.add_GenerateServicer_to_server(GenerateServicer(loop), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -87,7 +96,7 @@ def create_server(
         (GENERATE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {address}")
     return server, port

@@ -9,11 +9,16 @@ import signal
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+import redis.exceptions
 
 from offloadd.config import ConfigError, OffloaddConfig, load_config
-from offloadd.logs import setup_logging
+from offloadd.logs import redact_url, setup_logging, url_secrets
 from offloadd.metadata import RedisUnavailable
 from offloadd.server import create_server
+from offloadd.tls import SecurityConfigError, read_token
 
 log = logging.getLogger("offloadd")
 
@@ -48,17 +53,45 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
     return uvloop.run(coro)
 
 
+def _redis_refusal(exc: BaseException, url: str) -> str | None:
+    """A clear message when Redis refused our credentials or ACL (redis-py's own is obscure:
+    "HELLO must be called with the client already authenticated ...")."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, redis.AuthenticationError):
+            user = urlsplit(url).username or "default"
+            return (f"Redis refused to authenticate user {unquote(user)!r} ({cause}); put the "
+                    f"password, and the ACL user if any, in the Redis URL: "
+                    f"redis://USER:PASSWORD@HOST:PORT/DB (now {redact_url(url)})")
+        if isinstance(cause, redis.exceptions.NoPermissionError):
+            return (f"the Redis ACL user lacks a permission ({cause}); it needs the keys "
+                    f"'kvd:*' and the commands of +@all -@dangerous (SECURITY.md)")
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(argv, os.environ)
     except ConfigError as exc:
         print(f"offloadd: {exc}", file=sys.stderr)
         return 2
-    setup_logging(config.log_level)
+    try:
+        # Read here only to mask it in the logs (and refuse a bad file early); the daemon reads
+        # it again, and warns about a loose mode once logging is set up.
+        token = read_token(config.auth_token_file, warn=False) if config.auth_token_file else ""
+    except SecurityConfigError as exc:
+        print(f"offloadd: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level, secrets=(token, *url_secrets(config.redis_url)))
     try:
         return _run(serve(config))
-    except RedisUnavailable as exc:
+    except SecurityConfigError as exc:
         log.error("cannot start: %s", exc)
+        return 2
+    except (RedisUnavailable, redis.RedisError) as exc:
+        # Recovery also calls Redis directly: an ACL refusal there arrives as a raw RedisError.
+        log.error("cannot start: %s", _redis_refusal(exc, config.redis_url) or exc)
         return 1
     except OSError as exc:
         log.error("cannot start: %s", exc)

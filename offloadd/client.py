@@ -38,11 +38,12 @@ from offloadd.messages import (
     ReserveStatus,
     StoreStats,
 )
+from offloadd.tls import ClientSecurity
 
 __all__ = [
     "ArenaGeometry", "ArenaMapping", "AsyncOffloadClient", "BlockData", "BlockToStore",
-    "CommitOutcome", "EngineRegistration", "GroupArenaInfo", "GroupHit", "GroupQuery",
-    "GroupSpec", "IngestStream", "LookupOutcome", "OffloadClient", "OffloadClientError",
+    "ClientSecurity", "CommitOutcome", "EngineRegistration", "GroupArenaInfo", "GroupHit",
+    "GroupQuery", "GroupSpec", "IngestStream", "LookupOutcome", "OffloadClient", "OffloadClientError",
     "OffloadUnavailable", "ReserveOutcome", "ReserveStatus", "RetryPolicy", "StoreStats",
 ]
 
@@ -116,10 +117,12 @@ async def _call_async(
 
 
 class OffloadClient:
-    """Blocking client; ``target`` is ``host:port`` or ``unix:/path``."""
+    """Blocking client; ``target`` is ``host:port`` or ``unix:/path``. ``credentials`` (see
+    offloadd.tls.ClientSecurity.from_files) turn TLS on; ``token`` is sent as a bearer token."""
 
-    def __init__(self, target: str, timeout_s: float = 5.0, retry: RetryPolicy | None = None) -> None:
-        self.channel = grpc.insecure_channel(target)
+    def __init__(self, target: str, timeout_s: float = 5.0, retry: RetryPolicy | None = None, *,
+                 credentials: grpc.ChannelCredentials | None = None, token: str | None = None) -> None:
+        self.channel = ClientSecurity(credentials, token).channel(target)
         self._store = offload_pb2_grpc.OffloadStoreStub(self.channel)
         self._log = log_pb2_grpc.EventLogStub(self.channel)
         self.timeout_s = timeout_s
@@ -198,8 +201,9 @@ class OffloadClient:
 class AsyncOffloadClient:
     """asyncio client (grpc.aio); same methods as :class:`OffloadClient`, awaitable."""
 
-    def __init__(self, target: str, timeout_s: float = 5.0, retry: RetryPolicy | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(self, target: str, timeout_s: float = 5.0, retry: RetryPolicy | None = None, *,
+                 credentials: grpc.ChannelCredentials | None = None, token: str | None = None) -> None:
+        self.channel = ClientSecurity(credentials, token).aio_channel(target)
         self._store = offload_pb2_grpc.OffloadStoreStub(self.channel)
         self._log = log_pb2_grpc.EventLogStub(self.channel)
         self.timeout_s = timeout_s

@@ -3,6 +3,10 @@
 Every field can be given as a flag (``--capacity-bytes``) or as ``KVD_<FIELD>`` in the
 environment (``KVD_CAPACITY_BYTES``); flags win. ``REDIS_URL`` is honoured as a fallback for
 ``redis_url``. Nothing below the entry point reads ``os.environ``.
+
+Secrets never travel as flag values (other users of the node can read a process's arguments):
+the bearer token is read from ``auth_token_file``; the Redis password belongs in ``REDIS_URL``
+or ``KVD_REDIS_URL`` in the environment rather than in ``--redis-url``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Final, Literal
 
 from events.hashing import DIGEST_BYTES, HASH_ALGOS, HashAlgo
 from events.logkeys import LogKeys
+from offloadd.tls import SecurityConfigError, check_server_tls
 
 Eviction = Literal["lru", "arc"]
 EVICTIONS: Final[tuple[Eviction, ...]] = ("lru", "arc")
@@ -34,7 +39,18 @@ class OffloaddConfig:
     grpc_port: int = 50051
     """TCP port; 0 picks a free one (logged at start)."""
     unix_socket: str = ""
-    """Path of an extra unix-socket listener; empty = none."""
+    """Path of an extra unix-socket listener (plaintext; guarded by its file mode); empty = none."""
+    unix_socket_mode: int = 0o600
+    """Permission bits of the unix socket: who may connect (write permission is needed)."""
+    unix_socket_group: str = ""
+    """Group of the unix socket (use with unix_socket_mode 0o660); empty = the daemon's."""
+    tls_cert_file: str = ""
+    """PEM certificate chain of the TCP listener; with tls_key_file it turns TLS on."""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
+    """PEM CA bundle; set = mutual TLS: every TCP client must present a certificate it signed."""
+    auth_token_file: str = ""
+    """File holding the bearer token every call (but health) must carry; empty = no token."""
     metrics_host: str = "0.0.0.0"
     metrics_port: int = 9400
     """Prometheus /metrics port; 0 picks a free one, -1 disables it."""
@@ -90,13 +106,19 @@ class OffloaddConfig:
             raise ConfigError(f"grpc_port: out of range: {self.grpc_port}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port: out of range: {self.metrics_port}")
-        if not 0 <= self.file_mode <= 0o777:
-            raise ConfigError(f"file_mode: not a permission mode: {oct(self.file_mode)}")
-        if self.file_group:
-            try:
-                grp.getgrnam(self.file_group)
-            except KeyError as exc:
-                raise ConfigError(f"file_group: no such group {self.file_group!r}") from exc
+        for name in ("file_mode", "unix_socket_mode"):
+            if not 0 <= getattr(self, name) <= 0o777:
+                raise ConfigError(f"{name}: not a permission mode: {oct(getattr(self, name))}")
+        for name in ("file_group", "unix_socket_group"):
+            if getattr(self, name):
+                try:
+                    grp.getgrnam(getattr(self, name))
+                except KeyError as exc:
+                    raise ConfigError(f"{name}: no such group {getattr(self, name)!r}") from exc
+        try:
+            check_server_tls(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        except SecurityConfigError as exc:
+            raise ConfigError(str(exc)) from exc
 
     @property
     def digest_bytes(self) -> int:
@@ -109,6 +131,14 @@ class OffloaddConfig:
     @property
     def file_gid(self) -> int | None:
         return grp.getgrnam(self.file_group).gr_gid if self.file_group else None
+
+    @property
+    def unix_socket_gid(self) -> int | None:
+        return grp.getgrnam(self.unix_socket_group).gr_gid if self.unix_socket_group else None
+
+    @property
+    def is_tls(self) -> bool:
+        return bool(self.tls_cert_file)
 
 
 def _parse_bool(text: str) -> bool:
@@ -125,7 +155,7 @@ def _parse_mode(text: str) -> int:
 
 
 def _field_parser(field: dataclasses.Field[object]) -> type | object:
-    if field.name == "file_mode":
+    if field.name in ("file_mode", "unix_socket_mode"):
         return _parse_mode
     kind = type(field.default)
     return _parse_bool if kind is bool else kind
@@ -138,7 +168,8 @@ def load_config(argv: Sequence[str] | None, env: Mapping[str, str]) -> OffloaddC
     for field in fields:
         parser.add_argument(
             "--" + field.name.replace("_", "-"), dest=field.name, default=None,
-            help=f"(env KVD_{field.name.upper()}; default {field.default!r})",
+            help=f"(env KVD_{field.name.upper()}; default "
+                 f"{oct(field.default) if _field_parser(field) is _parse_mode else repr(field.default)})",  # type: ignore[arg-type]
         )
     args = parser.parse_args(argv)
     values: dict[str, object] = {}

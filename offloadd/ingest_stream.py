@@ -31,6 +31,7 @@ from kvcache.v1 import events_pb2, log_pb2, log_pb2_grpc
 
 from events.codec_proto import EventBatch, batch_to_proto
 from events.schema import Event
+from offloadd.tls import ClientSecurity
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class IngestStream:
         max_pending: int = 1024, max_batch_events: int = 4096,
         backoff_s: tuple[float, float] = (0.05, 2.0),
         on_reset: Callable[[int], None] | None = None,
+        credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
     ) -> None:
         self.target = target
         self.engine_id = engine_id
@@ -69,7 +71,7 @@ class IngestStream:
         self.num_resets = 0
         self.num_reconnects = 0
         self.last_error = ""
-        self._channel = grpc.insecure_channel(target)
+        self._channel = ClientSecurity(credentials, token).channel(target)
         self._stub = log_pb2_grpc.EventIngestStub(self._channel)
         self._thread = threading.Thread(target=self._run, name=f"ingest-{engine_id}", daemon=True)
         self._thread.start()

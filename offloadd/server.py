@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -22,6 +24,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from events.state import CacheState
+from offloadd.auth import AioTokenInterceptor
 from offloadd.config import OffloaddConfig
 from offloadd.ingest import Ingest
 from offloadd.metadata import LogConflict, MetadataStore, RedisUnavailable
@@ -29,6 +32,7 @@ from offloadd.metrics import DaemonMetrics
 from offloadd.recovery import RecoveryReport, audit_gpu_projection, recover
 from offloadd.service import Servicers
 from offloadd.store import HostStore
+from offloadd.tls import read_token, server_credentials
 from offloadd.writes import StoreWriter
 
 log = logging.getLogger(__name__)
@@ -43,9 +47,20 @@ class Ports:
     unix_socket: str
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 class Daemon:
     def __init__(self, config: OffloaddConfig) -> None:
         self.config = config
+        # Read the secrets and TLS material first: a bad file is refused before anything starts.
+        token = read_token(config.auth_token_file) if config.auth_token_file else None
+        self._tls = (server_credentials(config.tls_cert_file, config.tls_key_file,
+                                        config.tls_client_ca_file) if config.is_tls else None)
         self.redis = aioredis.Redis.from_url(
             config.redis_url, socket_timeout=config.redis_timeout_s,
             socket_connect_timeout=config.redis_timeout_s, retry=Retry(NoBackoff(), 0),
@@ -58,9 +73,11 @@ class Daemon:
         self.metrics = DaemonMetrics()
         self.metrics.watch(self.store, self.ingest)
         self.health = health_aio.HealthServicer()
-        self.server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0),
-        ])
+        self.server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
+            interceptors=[AioTokenInterceptor(token)] if token is not None else None,
+        )
+        self.is_token_required = token is not None
         self.fatal = asyncio.Event()
         self.fatal_reason = ""
         self._sweeper: asyncio.Task[None] | None = None
@@ -87,16 +104,48 @@ class Daemon:
             self.server,
         )
         cfg = self.config
-        grpc_port = self.server.add_insecure_port(f"{cfg.grpc_host}:{cfg.grpc_port}")
-        if cfg.unix_socket:
-            self.server.add_insecure_port(f"unix:{cfg.unix_socket}")
+        address = f"{cfg.grpc_host}:{cfg.grpc_port}"
+        if self._tls is not None:
+            grpc_port = self.server.add_secure_port(address, self._tls)
+        else:
+            grpc_port = self.server.add_insecure_port(address)
+        self._warn_if_exposed()
         metrics_port = -1 if cfg.metrics_port < 0 else self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        if cfg.unix_socket:
+            self._bind_unix_socket()
         await self.server.start()
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.create_task(self._sweep_forever())
         self._audit = asyncio.create_task(self._audit_projection())
         return Ports(grpc_port, metrics_port, cfg.unix_socket)
+
+    def _bind_unix_socket(self) -> None:
+        """Bind the unix socket owner-only (umask 0177 while grpc creates it: no other user can
+        connect in the moment before the chmod), then give it the configured mode and group.
+        grpc binds in add_insecure_port, so the process-wide umask changes for that call only."""
+        cfg = self.config
+        old_umask = os.umask(0o177)
+        try:
+            self.server.add_insecure_port(f"unix:{cfg.unix_socket}")
+        finally:
+            os.umask(old_umask)
+        gid = cfg.unix_socket_gid
+        if gid is not None:
+            os.chown(cfg.unix_socket, -1, gid)
+        os.chmod(cfg.unix_socket, cfg.unix_socket_mode)
+
+    def _warn_if_exposed(self) -> None:
+        cfg = self.config
+        plaintext = self._tls is None
+        if self.is_token_required and plaintext:
+            log.warning("bearer token over plaintext TCP on %s: anyone who can see the traffic can "
+                        "replay it; use TLS (--tls-cert-file/--tls-key-file) unless this is loopback",
+                        cfg.grpc_host)
+        if not self.is_token_required and not cfg.tls_client_ca_file and not _is_loopback(cfg.grpc_host):
+            log.warning("no authentication on %s:%d: any client that reaches it may store, read and "
+                        "evict KV blocks; set --auth-token-file or --tls-client-ca-file",
+                        cfg.grpc_host, cfg.grpc_port)
 
     async def _audit_projection(self) -> None:
         """After start: verify restored blocks' bytes, then the GPU-tier projection."""

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from offloadd.logs import redact_url
 from stack.launcher import Stack, StackConfig
 from stack.supervisor import StackError
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"kv-stack: starting in {run_dir}", flush=True)
         ep = stack.up()
-        print(f"\n  redis     {ep.redis_url}\n  offloadd  {ep.offloadd} (metrics {ep.offloadd_metrics})"
+        print(f"\n  redis     {redact_url(ep.redis_url)}\n  offloadd  {ep.offloadd} (metrics {ep.offloadd_metrics})"
               f"\n  bridge    PUB {ep.bridge_pub}  replay {ep.bridge_replay}  topic {config.topic!r}"
               f"\n  engine-0  {ep.engines[0]} (gRPC Generate)\n", flush=True)
         if not args.no_demo:

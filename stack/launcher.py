@@ -66,16 +66,18 @@ class Stack:
     def up(self) -> Endpoints:
         cfg = self.config
         redis_url = cfg.redis_url or self._start_redis()
+        # Through the environment, not argv: a password in a URL must not show in `ps`.
+        self.sup.env.update(KVD_REDIS_URL=redis_url, REDIS_URL=redis_url)
         grpc_port, metrics_port = port_or_free(50051), port_or_free(9400)
         self.sup.start("offloadd", _py(
             "offloadd", "--grpc-host=127.0.0.1", f"--grpc-port={grpc_port}",
-            f"--metrics-port={metrics_port}", f"--redis-url={redis_url}",
+            f"--metrics-port={metrics_port}",
             f"--namespace={cfg.namespace}", f"--arena-dir={cfg.arena_dir}",
             f"--capacity-bytes={cfg.arena_bytes}", f"--chunk-bytes={min(cfg.arena_bytes, 128 << 20)}",
         ), ready=lambda: grpc_serving(f"127.0.0.1:{grpc_port}"))
         pub, replay, bmetrics = port_or_free(5557), port_or_free(5558), port_or_free(9401)
         self.sup.start("kv-bridge", _py(
-            "events.bridge_main", f"--redis-url={redis_url}", f"--namespace={cfg.namespace}",
+            "events.bridge_main", f"--namespace={cfg.namespace}",
             f"--pub=tcp://127.0.0.1:{pub}", f"--replay=tcp://127.0.0.1:{replay}",
             f"--topic={cfg.topic}", f"--metrics-port={bmetrics}", "--metrics-host=127.0.0.1",
         ), ready=lambda: http_ok(f"http://127.0.0.1:{bmetrics}/healthz"))
