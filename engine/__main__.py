@@ -21,18 +21,26 @@ log = logging.getLogger("engine")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--hash-seed", default="0")
-    p.add_argument("--hash-algo", default="sha256_cbor", choices=["sha256_cbor", "xxh3_128_cbor"])
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--engine-id", default="engine-0")
+    p.add_argument("--model", required=True,
+                   help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                   help="weights and KV cache dtype (bfloat16/float16 on CUDA)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-gpu-blocks", type=int, default=256,
+                   help="KV pool size in blocks per KV-cache group (the device tier)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget of one step (prefill chunks + decodes)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's max_position_embeddings)")
+    p.add_argument("--hash-seed", default="0",
+                   help="block-hash seed (vLLM's PYTHONHASHSEED); engines sharing blocks need the same")
+    p.add_argument("--hash-algo", default="sha256_cbor", choices=["sha256_cbor", "xxh3_128_cbor"],
+                   help="block-hash function (sha256_cbor is vLLM's)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached blocks")
+    p.add_argument("--engine-id", default="engine-0",
+                   help="this engine's source name in the event log (unique per node)")
 
 
 def _engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -66,8 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the gRPC Generate API")
     _engine_args(serve)
-    serve.add_argument("--host", default="[::]")
-    serve.add_argument("--port", type=int, default=50061)
+    serve.add_argument("--host", default="[::]", help="interface of the Generate gRPC server")
+    serve.add_argument("--port", type=int, default=50061, help="port of the Generate gRPC server")
     serve.add_argument("--offloadd", default=None, metavar="HOST:PORT",
                        help="publish KV events to this offloadd (EventIngest); none: events stay local")
     serve.add_argument("--max-unacked-batches", type=int, default=1024,

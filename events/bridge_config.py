@@ -80,24 +80,35 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="kv-bridge",
-        description="Republish the kvoffload log in the vLLM KV-event ZMQ wire format.",
+        description="Republish the kvoffload log in the vLLM KV-event ZMQ wire format: live batches "
+        "on a PUB socket, any retained seq and full-state snapshots on a ROUTER socket. Options "
+        "can also be set as KVB_<NAME> in the environment (the Redis URL as REDIS_URL).",
     )
-    p.add_argument("--redis-url", default=env.get("REDIS_URL", d.redis_url))
-    p.add_argument("--namespace", default=e("NAMESPACE", d.namespace))
+    p.add_argument("--redis-url", default=env.get("REDIS_URL", d.redis_url),
+                   help="Redis holding the log (credentials go in the URL; env REDIS_URL)")
+    p.add_argument("--namespace", default=e("NAMESPACE", d.namespace),
+                   help="deployment namespace: the daemon's key prefix kvd:{namespace}:")
     p.add_argument("--name", default=e("NAME", d.name), help="names the saved seq position")
-    p.add_argument("--pub", dest="pub_endpoint", default=e("PUB", d.pub_endpoint))
-    p.add_argument("--replay", dest="replay_endpoint", default=e("REPLAY", d.replay_endpoint))
-    p.add_argument("--topic", default=e("TOPIC", d.topic))
-    p.add_argument("--layout", choices=["map", "legacy"], default=e("LAYOUT", d.layout))
+    p.add_argument("--pub", dest="pub_endpoint", default=e("PUB", d.pub_endpoint),
+                   help="ZMQ PUB endpoint to bind for live batches")
+    p.add_argument("--replay", dest="replay_endpoint", default=e("REPLAY", d.replay_endpoint),
+                   help="ZMQ ROUTER endpoint to bind for replay and snapshot requests")
+    p.add_argument("--topic", default=e("TOPIC", d.topic),
+                   help="topic frame of every message (vLLM's test subscribers use 'test')")
+    p.add_argument("--layout", choices=["map", "legacy"], default=e("LAYOUT", d.layout),
+                   help="event encoding: map (vLLM >= 0.24) or legacy arrays (older consumers)")
     p.add_argument("--source", default=e("SOURCE", d.source), help="publish only this engine")
     p.add_argument(
         "--per-source", action="store_true",
         default=str(e("PER_SOURCE", "")).lower() in ("1", "true", "yes"),
         help="one topic per source; --topic must contain {source}",
     )
-    p.add_argument("--start", choices=["resume", "head", "beginning"], default=e("START", d.start))
-    p.add_argument("--hwm", type=int, default=int(str(e("HWM", d.hwm))))
-    p.add_argument("--metrics-port", type=int, default=int(str(e("METRICS_PORT", d.metrics_port))))
+    p.add_argument("--start", choices=["resume", "head", "beginning"], default=e("START", d.start),
+                   help="where publishing starts: the saved position, the log's head, or offset 1")
+    p.add_argument("--hwm", type=int, default=int(str(e("HWM", d.hwm))),
+                   help="PUB send high-water mark (messages queued per slow subscriber)")
+    p.add_argument("--metrics-port", type=int, default=int(str(e("METRICS_PORT", d.metrics_port))),
+                   help="port of /metrics and /healthz (0: any free port)")
     p.add_argument("--metrics-host", default=e("METRICS_HOST", d.metrics_host))
     p.add_argument("--max-pending", type=int, default=int(str(e("MAX_PENDING", d.max_pending))),
                    help="records published before their apply to the state must catch up")

@@ -12,8 +12,11 @@ or ``KVD_REDIS_URL`` in the environment rather than in ``--redis-url``.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import grp
+import inspect
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -161,14 +164,33 @@ def _field_parser(field: dataclasses.Field[object]) -> type | object:
     return _parse_bool if kind is bool else kind
 
 
+def _field_docs() -> dict[str, str]:
+    """The attribute docstrings of OffloaddConfig, for --help (one source of truth)."""
+    tree = ast.parse(inspect.getsource(OffloaddConfig))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in itertools.pairwise(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split()).replace("%", "%%")
+    return docs
+
+
 def load_config(argv: Sequence[str] | None, env: Mapping[str, str]) -> OffloaddConfig:
     """Build the config from flags, then ``KVD_*`` environment, then defaults."""
-    parser = argparse.ArgumentParser(prog="offloadd", description="the per-node KV offload daemon")
+    parser = argparse.ArgumentParser(
+        prog="offloadd",
+        description="The per-node KV offload daemon: owns the host tier (a shared-memory arena), "
+        "applies and fences engines' KV events, and keeps the durable event log in Redis. "
+        "Every flag can also be set as KVD_<NAME> in the environment; flags win.",
+    )
     fields = dataclasses.fields(OffloaddConfig)
+    docs = _field_docs()
     for field in fields:
         parser.add_argument(
             "--" + field.name.replace("_", "-"), dest=field.name, default=None,
-            help=f"(env KVD_{field.name.upper()}; default "
+            help=f"{docs.get(field.name, '')} (env KVD_{field.name.upper()}; default "
                  f"{oct(field.default) if _field_parser(field) is _parse_mode else repr(field.default)})",  # type: ignore[arg-type]
         )
     args = parser.parse_args(argv)
