@@ -12,9 +12,10 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvcache.v1 import generate_pb2, generate_pb2_grpc
+from kvcache.v1 import generate_pb2
 
 from engine.engine_loop import EngineLoop
 from engine.errors import EngineError, InvalidRequest
@@ -40,13 +41,26 @@ def sampling_from_proto(msg: generate_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-class GenerateServicer(generate_pb2_grpc.GenerateServicer):
+class GenerateServicer:
+    """Takes the request as raw bytes and parses it itself, so that bytes that are not a
+    GenerateRequest get INVALID_ARGUMENT with a message (grpc's own parser answers INTERNAL)."""
+
     def __init__(self, loop: EngineLoop) -> None:
         self.loop = loop
 
-    def Generate(
-        self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[generate_pb2.GenerateResponse]:
+    def handler(self) -> grpc.GenericRpcHandler:
+        method = grpc.unary_stream_rpc_method_handler(
+            self.Generate, request_deserializer=None,
+            response_serializer=generate_pb2.GenerateResponse.SerializeToString,
+        )
+        return grpc.method_handlers_generic_handler(GENERATE_SERVICE, {"Generate": method})
+
+    def Generate(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[generate_pb2.GenerateResponse]:
+        try:
+            request = generate_pb2.GenerateRequest.FromString(raw)
+        except DecodeError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"not a valid {generate_pb2.GenerateRequest.DESCRIPTOR.full_name}: {exc}")
         kind = request.WhichOneof("prompt")
         prompt: str | list[int] = (
             request.text if kind == "text" else list(request.token_ids.ids) if kind == "token_ids" else []
@@ -87,7 +101,7 @@ def create_server(
         [SyncTokenInterceptor(token)] if token is not None else None)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
                          interceptors=interceptors)
-    generate_pb2_grpc.add_GenerateServicer_to_server(GenerateServicer(loop), server)
+    server.add_generic_rpc_handlers((GenerateServicer(loop).handler(),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", GENERATE_SERVICE):
