@@ -3,12 +3,15 @@
     python bench/bench_offload.py bandwidth --device cuda        # vs the pinned-copy limit
     python bench/bench_offload.py ttft --device cuda --model 1b  # needs redis-server on PATH
     python bench/bench_offload.py all --device cpu --out results.json
+    python bench/bench_offload.py ttft --device cpu --model 1b-kv-narrow --prompt-len 4096
 
 ``bandwidth`` moves N blocks between a KV tensor and arena slots in random (scattered) order with
 the connector's own batched copies (engine.offload_copy), and in the same run measures the
 limit: one contiguous copy of the same bytes between device memory and pinned host memory (on
 CPU: one contiguous memcpy). ``ttft`` runs a real offloadd (subprocess, Redis) and an engine with
-the real connector; per iteration a new prompt: cold, GPU hit, reset, CPU hit.
+the real connector; per iteration a new prompt: cold, GPU hit, reset, CPU hit. ``1b-kv-narrow``
+has the 1B model's KV geometry and narrow layers, so that on a CPU the engine's per-request
+work outside the model shows (``--profile`` prints where a GPU hit and a CPU hit spend it).
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ from offloadd.arena import ArenaGeometry, ArenaMapping, create_chunk_file  # noq
 MODELS: dict[str, dict[str, Any]] = {
     # Llama-3.2-1B's shape with a smaller vocabulary (the vocabulary does not touch the KV).
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_layers=16,
-               num_heads=32, num_kv_heads=8, max_position_embeddings=8192, init_std=0.02),
+               num_heads=32, num_kv_heads=8, max_position_embeddings=8192, init_std=0.02,
+               save_dtype="bfloat16"),
+    # The 1B model's KV geometry (16 layers x 8 KV heads x 64 dims) with narrow layers: on CPU,
+    # per-request engine overhead is then not hidden under the model's FLOPs.
+    "1b-kv-narrow": dict(vocab_size=512, hidden_size=512, intermediate_size=512, num_layers=16,
+                         num_heads=8, num_kv_heads=8, max_position_embeddings=8192),
     "tiny-plain": dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=4,
                        num_heads=8, num_kv_heads=2, max_position_embeddings=4096),
     "tiny-hybrid": dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=4,
@@ -136,8 +144,10 @@ def _profile(llm: Any, conn: Any, rng: random.Random, vocab: int, n: int, params
     prompt = [rng.randrange(vocab) for _ in range(n)]
     llm.generate(prompt, params)
     for name in ("gpu_hit", "cpu_hit"):
+        # The previous request's store runs on the connector's worker thread: wait for it, or
+        # the profile shows this thread waiting for the GIL (in whatever it happened to call).
+        conn.flush()
         if name == "cpu_hit":
-            conn.flush()
             llm.reset_prefix_cache()
         prof = cProfile.Profile()
         prof.enable()
@@ -229,11 +239,13 @@ def main() -> None:
     p.add_argument("--modes", default="auto,kernel,memcpy", help="memcpy-N: N DMA streams")
     p.add_argument("--arena-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     p.add_argument("--profile", action="store_true", help="cProfile one GPU hit and one CPU hit")
+    p.add_argument("--limit-load-gbps", type=float, default=None,
+                   help="pinned load limit for the TTFT bound when `bandwidth` is not run")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args()
     device = torch.device(a.device)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    limit = None
+    limit = a.limit_load_gbps
     if a.what in ("bandwidth", "all"):
         # The 1B model's block: 16 layers x K,V x 16 tokens x 8 heads x 64 dims (512 KiB bf16).
         shape = (16, 2, 16, 8, 64) if device.type == "cuda" else (4, 2, 16, 2, 64)

@@ -156,7 +156,7 @@ class BlockPool:
                 assert b != NULL_BLOCK_ID and blk.digest is None, f"block {b} cannot take a hash"
                 blk.digest = digest
                 blk.parent = prev
-                blk.token_ids = tuple(int(t) for t in token_ids[i * self.block_size : (i + 1) * self.block_size])
+                blk.token_ids = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
                 blk.depth = depth + i
                 self.hash_to_block[digest] = b
                 result.append(None)
@@ -177,7 +177,8 @@ class BlockPool:
             BlockStored(
                 block_hashes=tuple(to_wire(digests[i]) for i in run),
                 parent_block_hash=None if parent is None else to_wire(parent),
-                token_ids=tuple(int(t) for i in run for t in token_ids[i * bs : (i + 1) * bs]),
+                # A run is consecutive blocks: one slice of the (int) token ids.
+                token_ids=tuple(token_ids[run[0] * bs : (run[-1] + 1) * bs]),
                 block_size=bs,
                 medium="GPU",
                 group_idx=self.group_idx,

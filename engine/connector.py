@@ -89,6 +89,8 @@ class OffloadingConnector:
         self._seen: set[str] = set()
         self._just_loaded: set[bytes] = set()
         """Digests loaded this step: the engine reports them as new blocks; no need to store."""
+        self._loaded_leases: list[tuple[str, torch.cuda.Event | None, tuple[torch.cuda.Event, torch.cuda.Event] | None]] = []
+        """Leases of this step's loads, released (once their copies completed) after the step."""
 
     # -- registration -------------------------------------------------------------------
 
@@ -231,12 +233,19 @@ class OffloadingConnector:
             self.metrics.add(load_copy_seconds=time.perf_counter() - t0)
         self.metrics.add(blocks_loaded=n, bytes_loaded=nbytes, cpu_hit_tokens=n * self._block_size())
         self._just_loaded.update(digests)
-        self._release_later(pinned.lease_id, done, timing)
+        # Released from store(), after the step: waking the worker now would have it share the
+        # GIL with this thread while the step is being launched.
+        self._loaded_leases.append((pinned.lease_id, done, timing))
 
     def request_finished(self, request_id: str) -> None:
         self._unpin(request_id)
         self.batcher.drop(request_id)
         self._seen.discard(request_id)
+
+    def _release_loaded(self) -> None:
+        leases, self._loaded_leases = self._loaded_leases, []
+        for lease_id, done, timing in leases:
+            self._release_later(lease_id, done, timing)
 
     def _unpin(self, request_id: str) -> None:
         pinned = self._pinned.pop(request_id, None)
@@ -253,6 +262,7 @@ class OffloadingConnector:
     # -- store --------------------------------------------------------------------------
 
     def store(self, new_blocks: Sequence[NewBlocks]) -> None:
+        self._release_loaded()
         skip, self._just_loaded = self._just_loaded, set()
         if not new_blocks or not self.config.store or not self._active():
             return
@@ -305,6 +315,7 @@ class OffloadingConnector:
         return self.worker.wait_idle(timeout_s) if self.worker is not None else True
 
     def close(self) -> None:
+        self._release_loaded()
         for request_id in list(self._pinned):
             self._unpin(request_id)
         if self.worker is not None:

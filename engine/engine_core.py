@@ -105,6 +105,8 @@ class EngineCore:
                 f"{self.max_model_len} (prompt + at least one new token must fit)"
             )
         vocab = self.model_config.vocab_size
+        if min(token_ids) >= 0 and max(token_ids) < vocab:
+            return
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"token ids out of range [0, {vocab}): {bad[:5]}")
@@ -134,16 +136,22 @@ class EngineCore:
         for s in out.scheduled:
             s.request.num_computed_tokens = s.start + s.num_new_tokens
             new_blocks.extend(self.kv.register_full_blocks(s.request))
-        if new_blocks:
-            self.connector.store(new_blocks)
-        outputs: list[StepOutput] = []
         reqs = [out.scheduled[i].request for i in sample_rows]
+        tokens: list[int] | None = None
+        logits_cpu: torch.Tensor | None = None
         if all(r.params.is_greedy and not r.params.return_logits for r in reqs):
             # Greedy only: pick on the device and move token ids, not [rows, vocab] logits.
             tokens = logits.argmax(dim=-1).tolist()
-            outputs = [self._append_token(r, None, t) for r, t in zip(reqs, tokens, strict=True)]
         else:
             logits_cpu = logits.cpu()
+        # Handed to the connector only once the step's results are on the host: its worker
+        # thread then never holds the GIL while this thread waits to pick up the tokens.
+        # Before any request finishes, so the blocks are still the request's own.
+        self.connector.store(new_blocks)
+        if tokens is not None:
+            outputs = [self._append_token(r, None, t) for r, t in zip(reqs, tokens, strict=True)]
+        else:
+            assert logits_cpu is not None
             outputs = [self._append_token(r, logits_cpu[row]) for row, r in enumerate(reqs)]
         self._flush_events()
         return outputs

@@ -1,20 +1,30 @@
 """Model runner: turns a scheduled step into one batched forward over the paged KV cache.
 
 Tokens of every scheduled request are flattened into one batch. Attention per group writes the
-new K/V into their slots, gathers each request's visible K/V from its blocks into a padded
-``[B, K]`` view and runs ``scaled_dot_product_attention`` with a causal (and window) mask. A
-single request starting at position 0 with no window takes the dense ``is_causal`` path, which
-can use flash kernels on CUDA.
+new K/V into their slots (``index_copy_`` into a flat row view of the cache), then reads each
+request's visible K/V through its block table with one ``index_select`` of whole blocks per
+layer and K/V, and runs ``scaled_dot_product_attention``:
+
+- a request that starts at position 0 and fits the window attends densely (``is_causal`` on its
+  own span, flash-capable);
+- a single request with earlier context and no window (a prefix hit, a CPU-tier hit, a decode
+  on its own) attends with a lower-right causal bias over exactly its keys: no mask is built
+  or copied, and CUDA runs the flash / memory-efficient kernels;
+- anything else (batched decodes, windows) uses a padded ``[B, K]`` key grid and a mask.
+
+All of a step's index tensors travel to the device in one pinned copy.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from engine.kv_cache import KVCacheGroup
 from engine.kv_manager import KVCacheManager
@@ -24,47 +34,50 @@ from engine.scheduler import SchedulerOutput
 
 @dataclass(frozen=True)
 class GroupStep:
-    """Per-group attention inputs of one step (tensors on the model's device).
+    """Per-group attention inputs of one step (tensors on the model's device)."""
 
-    Requests that start at position 0 and fit the window attend densely (``is_causal`` on their
-    own span, flash-capable); the others read their context from the paged cache."""
-
-    write_blocks: Tensor  # [T] block id of each new token's slot
-    write_offsets: Tensor  # [T]
+    write_rows: Tensor  # [L, 2, T] row of each new token's K (0) and V (1) slot in the flat cache
     dense_spans: list[tuple[int, int]]  # [lo, hi) token spans of fresh requests
     paged: PagedInputs | None
 
 
 @dataclass(frozen=True)
 class PagedInputs:
-    tokens: Tensor  # [Tp] flat indices (into the step's tokens) of the paged requests
-    q_index: Tensor  # [Tp] their positions in the padded [B * max_q] query grid
+    tokens: Tensor | None  # [Tp] flat indices of the paged requests' tokens; None: all of them
+    gather: Tensor  # [B * nb] block ids whose keys are read, nb per request, from its first visible block
     batch: int
+    num_blocks: int  # nb
+    num_keys: int  # keys per request row (nb * block_size, or exactly hi in the single-request case)
     max_q: int
-    gather_blocks: Tensor  # [B, K]
-    gather_offsets: Tensor  # [B, K]
-    mask: Tensor  # [B, 1, max_q, K] bool, True = may attend
+    q_index: Tensor | None  # [Tp] positions in the padded [B * max_q] query grid; None: single request
+    mask: Tensor | None  # [B, 1, max_q, K] bool, True = may attend; None: lower-right causal
 
 
 class PagedAttention:
     """AttentionBackend over the paged cache for one step."""
 
     def __init__(self, groups: list[KVCacheGroup], layer_slots: dict[int, tuple[int, int]], steps: list[GroupStep]) -> None:
-        self.groups, self.layer_slots, self.steps = groups, layer_slots, steps
+        self.layer_slots, self.steps = layer_slots, steps
+        self.caches = [g.tensor for g in groups]
+        # Row view [blocks * layers * 2 * block_size, heads, dim] for the writes.
+        self.flat = [t.view(-1, *t.shape[-2:]) for t in self.caches]
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         g, li = self.layer_slots[layer_idx]
-        cache = self.groups[g].tensor
         st = self.steps[g]
-        cache[st.write_blocks, li, 0, st.write_offsets] = k
-        cache[st.write_blocks, li, 1, st.write_offsets] = v
-        if st.paged is None and len(st.dense_spans) == 1:
+        flat = self.flat[g]
+        flat.index_copy_(0, st.write_rows[li, 0], k)
+        flat.index_copy_(0, st.write_rows[li, 1], v)
+        p = st.paged
+        if p is None and len(st.dense_spans) == 1:
             return _causal(q, k, v)
+        if p is not None and p.tokens is None:
+            return _paged(self.caches[g], li, q, p)
         out = torch.empty_like(q)
         for lo, hi in st.dense_spans:
             out[lo:hi] = _causal(q[lo:hi], k[lo:hi], v[lo:hi])
-        if st.paged is not None:
-            out[st.paged.tokens] = _paged(cache, li, q[st.paged.tokens], st.paged)
+        if p is not None:
+            out[p.tokens] = _paged(self.caches[g], li, q[p.tokens], p)
         return out
 
 
@@ -75,22 +88,68 @@ def _causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return out[0].transpose(0, 1)
 
 
+def _read(cache: Tensor, li: int, kv: int, p: PagedInputs) -> Tensor:
+    """[B, Hkv, K, D]: the visible keys (kv=0) or values (kv=1), whole blocks read in place order."""
+    rows = cache[:, li, kv].index_select(0, p.gather)  # [B * nb, bs, H, D], contiguous
+    return rows.view(p.batch, -1, *rows.shape[-2:])[:, : p.num_keys].transpose(1, 2)
+
+
+def _repeat_heads(x: Tensor, rep: int) -> Tensor:
+    if rep == 1:
+        return x
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, rep, n, d).reshape(b, h * rep, n, d)
+
+
 def _paged(cache: Tensor, li: int, q: Tensor, p: PagedInputs) -> Tensor:
-    keys = cache[p.gather_blocks, li, 0, p.gather_offsets].transpose(1, 2)
-    values = cache[p.gather_blocks, li, 1, p.gather_offsets].transpose(1, 2)
+    keys, values = _read(cache, li, 0, p), _read(cache, li, 1, p)
+    rep = q.shape[1] // keys.shape[1]
+    if p.mask is None:
+        # One request: its queries are the last q rows of its keys (lower-right causal).
+        qp = q.transpose(0, 1)[None]
+        bias = causal_lower_right(q.shape[0], p.num_keys)
+        if q.is_cuda:
+            # Expanded heads: the flash / memory-efficient kernels take no GQA with this bias.
+            out = F.scaled_dot_product_attention(qp, _repeat_heads(keys, rep), _repeat_heads(values, rep), attn_mask=bias)
+        else:
+            out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=bias, enable_gqa=True)
+        return out[0].transpose(0, 1)
+    assert p.q_index is not None
     qp = q.new_zeros(p.batch * p.max_q, *q.shape[1:])
     qp[p.q_index] = q
     qp = qp.view(p.batch, p.max_q, *q.shape[1:]).transpose(1, 2)
     if q.is_cuda:
         # Masked GQA runs only on the math kernel; expanded heads let the memory-efficient one
         # run. cuDNN is left out: it builds a new plan for every key length, i.e. every step.
-        rep = q.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=p.mask)
+            out = F.scaled_dot_product_attention(qp, _repeat_heads(keys, rep), _repeat_heads(values, rep), attn_mask=p.mask)
     else:
         out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=p.mask, enable_gqa=True)
     return out.transpose(1, 2).reshape(p.batch * p.max_q, *q.shape[1:])[p.q_index]
+
+
+class _Upload:
+    """Collects a step's host index tensors and moves them to the device in one pinned copy."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.parts: list[Tensor] = []
+
+    def add(self, x: Tensor) -> int:
+        self.parts.append(x)
+        return len(self.parts) - 1
+
+    def send(self) -> list[Tensor]:
+        if self.device.type != "cuda":
+            return self.parts
+        flat = torch.cat([x.reshape(-1).to(torch.long) for x in self.parts]).pin_memory()
+        dev = flat.to(self.device, non_blocking=True)
+        out, off = [], 0
+        for x in self.parts:
+            part = dev[off : off + x.numel()].view(x.shape)
+            out.append(part if x.dtype == torch.long else part.to(x.dtype))
+            off += x.numel()
+        return out
 
 
 class ModelRunner:
@@ -104,6 +163,9 @@ class ModelRunner:
     ) -> None:
         self.model, self.groups, self.layer_slots, self.kv, self.device = model, groups, layer_slots, kv, device
         self.block_size = kv.block_size
+        # Keys per row rounded up to a multiple of 64 (and whole blocks): aligned for the
+        # memory-efficient kernel's mask, and few shapes.
+        self._blocks_multiple = 64 // math.gcd(64, self.block_size)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sample_rows: list[int]) -> Tensor:
@@ -114,56 +176,71 @@ class ModelRunner:
         lens = [s.num_new_tokens for s in sched]
         batch = len(sched)
         positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lens, strict=True)])
-        input_ids = torch.tensor(
-            [t for s in sched for t in s.request.all_token_ids[s.start : s.start + s.num_new_tokens]],
-            dtype=torch.long,
-        )
+        ids: list[int] = []
+        for s in sched:
+            r = s.request
+            n_prompt = len(r.prompt_token_ids)
+            if s.start + s.num_new_tokens <= n_prompt:
+                ids.extend(r.prompt_token_ids[s.start : s.start + s.num_new_tokens])
+            else:
+                ids.extend(r.all_token_ids[s.start : s.start + s.num_new_tokens])
         offsets = [0]
         for n in lens:
             offsets.append(offsets[-1] + n)
         row = torch.repeat_interleave(torch.arange(batch), torch.tensor(lens))
-        steps: list[GroupStep] = []
+        up = _Upload(self.device)
+        i_ids, i_pos = up.add(torch.tensor(ids, dtype=torch.long)), up.add(positions)
+        i_ends = up.add(torch.tensor([offsets[i + 1] - 1 for i in sample_rows], dtype=torch.long))
+        plans: list[tuple[int, list[tuple[int, int]], dict[str, int] | None]] = []
         for group in self.groups:
             tables = [self.kv.block_table(s.request.request_id)[group.spec.group_idx] for s in sched]
             width = max(len(t) for t in tables)
             bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-            write_blocks = self._dev(bt[row, positions // bs])
-            write_offsets = self._dev(positions % bs)
+            layers = int(group.tensor.shape[1])
+            # Flat row of token t's K in layer l: ((block * L + l) * 2 + 0) * bs + offset.
+            base = bt[row, positions // bs] * (layers * 2 * bs) + positions % bs
+            rows = base[None, None, :] + (torch.arange(layers) * (2 * bs))[:, None, None] + torch.tensor([0, bs])[None, :, None]
+            i_rows = up.add(rows)
             window = group.spec.sliding_window
             fresh = [st == 0 and (window is None or n <= window) for st, n in zip(starts, lens, strict=True)]
             spans = [(offsets[i], offsets[i + 1]) for i in range(batch) if fresh[i]]
             rest = [i for i in range(batch) if not fresh[i]]
-            paged = self._paged_inputs(bt[rest], [starts[i] for i in rest], [lens[i] for i in rest],
-                                       [offsets[i] for i in rest], window) if rest else None
-            steps.append(GroupStep(write_blocks, write_offsets, spans, paged))
+            paged = self._paged_inputs(up, bt[rest], [starts[i] for i in rest], [lens[i] for i in rest],
+                                       [offsets[i] for i in rest], window, all_paged=len(rest) == batch) if rest else None
+            plans.append((i_rows, spans, paged))
+        dev = up.send()
+        steps = [GroupStep(dev[i_rows], spans, self._finish_paged(dev, paged)) for i_rows, spans, paged in plans]
         attn = PagedAttention(self.groups, self.layer_slots, steps)
-        hidden = self.model(self._dev(input_ids), self._dev(positions), attn)
-        ends = torch.tensor([offsets[i + 1] - 1 for i in sample_rows], dtype=torch.long)
-        return self.model.compute_logits(hidden[self._dev(ends)]).float()
-
-    def _dev(self, x: Tensor) -> Tensor:
-        """Host -> device without stalling on the queued kernels (pinned + non-blocking on CUDA)."""
-        if self.device.type != "cuda":
-            return x
-        return x.pin_memory().to(self.device, non_blocking=True)
+        hidden = self.model(dev[i_ids], dev[i_pos], attn)
+        return self.model.compute_logits(hidden[dev[i_ends]]).float()
 
     def _paged_inputs(
-        self, bt: Tensor, starts: list[int], lens: list[int], token_offsets: list[int], window: int | None
-    ) -> PagedInputs:
+        self, up: _Upload, bt: Tensor, starts: list[int], lens: list[int], token_offsets: list[int],
+        window: int | None, all_paged: bool,
+    ) -> dict[str, int]:
+        """Host-side paged inputs, queued on ``up``; returns their indices and sizes."""
         bs = self.block_size
         batch, max_q = len(starts), max(lens)
-        tokens = torch.cat([torch.arange(o, o + n) for o, n in zip(token_offsets, lens, strict=True)])
-        q_index = torch.cat([torch.arange(n) + i * max_q for i, n in enumerate(lens)])
         # Keys visible to this step: [lo, start + n) per request; lo skips what the window hides.
         los = [0 if window is None else max(0, st - window + 1) // bs * bs for st in starts]
         his = [st + n for st, n in zip(starts, lens, strict=True)]
-        # Key width rounded up to 64: aligned for the memory-efficient kernel, and few shapes.
-        width = -(-max(h - lo for lo, h in zip(los, his, strict=True)) // 64) * 64
+        nb = max(-(-h // bs) - lo // bs for lo, h in zip(los, his, strict=True))
+        nb = -(-nb // self._blocks_multiple) * self._blocks_multiple
+        first = torch.tensor([lo // bs for lo in los])[:, None] + torch.arange(nb)[None, :]
+        # Past the table: the null block (zeros). Masked-out keys past a request's end in its
+        # last block read stale slots: finite, as the cache starts zeroed and only ever holds
+        # computed or loaded K/V.
+        gather = torch.where(first < bt.shape[1], torch.gather(bt, 1, first.clamp(max=bt.shape[1] - 1)), 0)
+        info = dict(batch=batch, nb=nb, max_q=max_q, gather=up.add(gather.reshape(-1)))
+        info["tokens"] = -1 if all_paged else up.add(
+            torch.cat([torch.arange(o, o + n) for o, n in zip(token_offsets, lens, strict=True)]))
+        if batch == 1 and window is None:
+            info.update(num_keys=his[0], q_index=-1, mask=-1)
+            return info
+        width = nb * bs
         lo_t, hi_t = torch.tensor(los)[:, None], torch.tensor(his)[:, None]
         kv_pos = lo_t + torch.arange(width)[None, :]
         kv_valid = kv_pos < hi_t
-        kv_pos = torch.where(kv_valid, kv_pos, lo_t)
-        gather_blocks = torch.gather(bt, 1, kv_pos // bs)
         q_pos = torch.tensor(starts)[:, None] + torch.arange(max_q)[None, :]
         q_valid = torch.arange(max_q)[None, :] < torch.tensor(lens)[:, None]
         mask = kv_valid[:, None, :] & (kv_pos[:, None, :] <= q_pos[:, :, None])
@@ -171,7 +248,18 @@ class ModelRunner:
             mask &= kv_pos[:, None, :] > q_pos[:, :, None] - window
         # Padding query rows attend to one key so softmax stays finite; their output is dropped.
         mask |= (~q_valid)[:, :, None] & (torch.arange(width) == 0)[None, None, :]
-        return PagedInputs(
-            self._dev(tokens), self._dev(q_index), batch, max_q, self._dev(gather_blocks),
-            self._dev(kv_pos % bs), self._dev(mask[:, None]),
-        )
+        info.update(num_keys=width, q_index=up.add(torch.cat([torch.arange(n) + i * max_q for i, n in enumerate(lens)])),
+                    mask=up.add(mask[:, None]))
+        return info
+
+    @staticmethod
+    def _finish_paged(dev: list[Tensor], info: dict[str, int] | None) -> PagedInputs | None:
+        if info is None:
+            return None
+
+        def get(key: str) -> Tensor | None:
+            return None if info[key] < 0 else dev[info[key]]
+
+        gather = dev[info["gather"]]
+        return PagedInputs(get("tokens"), gather, info["batch"], info["nb"], info["num_keys"], info["max_q"],
+                           get("q_index"), get("mask"))

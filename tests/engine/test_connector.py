@@ -235,3 +235,28 @@ def test_config_refuses_bad_values(kwargs: dict[str, object], message: str) -> N
     base: dict[str, object] = {"target": "127.0.0.1:1", "engine_id": "e", "model_namespace": "m"}
     with pytest.raises(ValueError, match=message):
         OffloadConnectorConfig(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+def test_load_lease_is_released_after_the_step(plain_model: Path, daemon: DaemonProcess) -> None:
+    """The worker thread is not woken during admission (it would share the GIL with the step
+    being launched): a load's lease goes back with the step's store() call."""
+    conn = _connector(daemon)
+    llm = _llm(plain_model, conn)
+    prompt = _prompt(4 * BS + 3, 9)
+    llm.generate(prompt, GREEDY)
+    assert conn.flush() and llm.reset_prefix_cache()
+    digests = llm.engine.hasher.hash_blocks(prompt)
+    assert conn.lookup("r1", digests, 0) == 4
+    conn.load("r1", digests, {0: [1, 2, 3, 4]})
+    assert conn.flush()
+
+    def pinned() -> int:
+        with OffloadClient(daemon.target) as c:
+            return sum(x.num_pinned for x in c.stats().layouts)
+
+    assert pinned() == 4
+    conn.store([])  # the step is over
+    assert conn.flush()
+    assert pinned() == 0
+    assert conn.stats()["blocks_loaded"] == 4
+    conn.close()
