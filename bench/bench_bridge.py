@@ -1,7 +1,7 @@
 """Event throughput and latency through log -> kv-bridge -> subscriber, next to a bare PUB->SUB.
 
     python bench/bench_bridge.py [--records 20000] [--rate 50000] [--seconds 4] [--repeat 3]
-                                 [--out bench/results/bridge.json]
+                                 [--before-root DIR] [--out bench/results/bridge.json]
 
 Payload: one engine step per record: 4 ``BlockStored`` events of 4 blocks (16 tokens each), so
 16 block events per batch, from 4 interleaved sources. In the same run:
@@ -12,6 +12,10 @@ The subscriber (this process) receives on SUB and checks seq contiguity. Through
 possible, measured at the subscriber from first to last message. Latency: paced at ``--rate``
 block events/s; latency = receive time - the batch's ``ts`` (set when the publisher sent it,
 or when the writer appended it to the log), on one host clock.
+
+``--before-root DIR`` also runs the throughput rows with the bridge of another checkout (say
+``git archive <rev> events | tar -x -C DIR``), alternating with this one, for before/after
+ratios from one run.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import platform
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +47,7 @@ from events.schema import BlockStored, Event, LogRecord
 from tests.support.bridge_proc import BridgeProcess
 from tests.support.redis_proc import RedisProcess, free_port
 
+_REPO = Path(__file__).resolve().parents[1]
 EVENTS_PER_BATCH = 4
 BLOCKS_PER_EVENT = 4
 BLOCK_SIZE = 16
@@ -158,15 +165,34 @@ def run_bare(n: int, batches_per_s: float | None) -> dict[str, Any]:
         ctx.destroy(linger=0)
 
 
+class RootedBridge(BridgeProcess):
+    """The bridge of another checkout: ``root`` comes first on its PYTHONPATH."""
+
+    def __init__(self, root: Path, redis_url: str, workdir: Path, *args: str) -> None:
+        super().__init__(redis_url, workdir, *args)
+        self.root = root
+
+    def start(self, timeout_s: float = 15.0, wait_healthy: bool = True) -> None:
+        self.runs += 1
+        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the process
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(self.root), str(_REPO)])}
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=self.root)
+        if wait_healthy:
+            self.wait_healthy(timeout_s)
+
+
 def run_bridge(
-    workdir: Path, n: int, batches_per_s: float | None, *bridge_args: str
+    workdir: Path, n: int, batches_per_s: float | None, *bridge_args: str, root: Path | None = None
 ) -> dict[str, Any]:
     """Paced: the writer appends while the bridge tails. Throughput: the bridge is paused
     (SIGSTOP) while the writer fills the log, then resumed, so the rate measured is the
     bridge's own and not the writer's (both share this host's cores)."""
     redis_proc = RedisProcess(workdir / f"redis-{time.monotonic_ns()}")
     redis_proc.start()
-    bridge = BridgeProcess(redis_proc.url, workdir / "bridge", "--log-level", "WARNING", *bridge_args)
+    args = ("--log-level", "WARNING", *bridge_args)
+    bridge = (BridgeProcess(redis_proc.url, workdir / "bridge", *args) if root is None
+              else RootedBridge(root, redis_proc.url, workdir / "bridge-before", *args))
     bridge.start()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -201,6 +227,8 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=50_000, help="block events/s in the latency runs")
     ap.add_argument("--seconds", type=float, default=4.0, help="length of the latency runs")
     ap.add_argument("--repeat", type=int, default=3, help="throughput runs of each kind")
+    ap.add_argument("--before-root", type=Path, default=None,
+                    help="a checkout of the code before a change: its bridge runs too")
     ap.add_argument("--out", default="bench/results/bridge.json")
     args = ap.parse_args()
     batches_per_s = args.rate / BLOCK_EVENTS_PER_BATCH
@@ -217,6 +245,12 @@ def main() -> int:
             # The state applied inline with publishing: the sustained rate once a burst is
             # longer than --max-pending (default 20,000 records).
             runs["bridge_inline"].append(run_bridge(work, args.records, None, "--max-pending", "0"))
+            if args.before_root is not None:
+                before = args.before_root.resolve()
+                runs.setdefault("before_throughput", []).append(
+                    run_bridge(work, args.records, None, root=before))
+                runs.setdefault("before_inline", []).append(
+                    run_bridge(work, args.records, None, "--max-pending", "0", root=before))
         results = {name: max(rs, key=lambda r: r["block_events_per_s"]) for name, rs in runs.items()}
         for name, rs in runs.items():
             results[name]["all_block_events_per_s"] = [round(r["block_events_per_s"]) for r in rs]
@@ -245,11 +279,20 @@ def main() -> int:
         print(f"  {name} p99 ms per run: " + ", ".join(_ms(r["p99_ms"]).strip() for r in rs))
     print(f"bridge / bare throughput (best of {args.repeat}): {ratio:.2f} (target >= 0.75); with the state applied "
           f"inline: {ratio_inline:.2f}")
+    extra: dict[str, float] = {}
+    if "before_throughput" in results:
+        extra = {name: results[name]["block_events_per_s"] / bare
+                 for name in ("before_throughput", "before_inline")}
+        print(f"before ({args.before_root}) / bare: burst {extra['before_throughput']:.2f}, "
+              f"inline {extra['before_inline']:.2f}")
     print(f"bridge p99 at {args.rate:,.0f} block events/s (best run of {args.repeat}): {_ms(results['bridge_paced']['p99_ms'])} ms "
           "(target < 10 ms)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "ratio": ratio, "ratio_inline": ratio_inline, **results}, indent=1) + "\n")
+    doc = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+           "ratio": ratio, "ratio_inline": ratio_inline,
+           **{f"ratio_{k}": v for k, v in extra.items()}, **results}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 
 

@@ -1,9 +1,11 @@
 """The bridge's CacheState, applied behind the publish path.
 
 Publishing a record needs only its seq; the state is needed only to answer snapshot requests.
-So records are queued (still encoded) when published and applied when the bridge is idle, before any snapshot,
-or at once when more than ``max_pending`` wait: a burst goes out at the publishing rate and the
-state catches up after it, with the same total work. Callers hold the bridge's lock.
+So records are queued (still encoded) when published and applied when the bridge is idle or
+before any snapshot; past ``max_pending`` waiting, each new record is matched by applying the
+oldest one. A burst goes out at the publishing rate and the state catches up after it, with the
+same total work; a longer one is published at the rate of publishing and applying together,
+without a stall. Callers hold the bridge's lock.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ class LazyState:
         self._pending.clear()
 
     def add(self, entry: RawEntry) -> None:
-        self._pending.append(entry)
-        if len(self._pending) > self._max_pending:
-            self.catch_up()
+        pending = self._pending
+        pending.append(entry)
+        if len(pending) > self._max_pending:  # the pending gauge is set once per chunk
+            self.apply_entry(pending.popleft())
 
     def catch_up(self, limit: int | None = None) -> int:
         """Apply up to ``limit`` queued records (all when None); return how many."""

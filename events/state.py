@@ -10,39 +10,24 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Final
 
 import msgspec
 
 from events.schema import (
     MEDIA,
-    AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
-    Event,
     LogRecord,
     Medium,
-    SchemaError,
-    SpecKind,
     validate_event,
 )
+from events.state_apply import TierKey, apply_events
 from events.state_chains import export_tier
+from events.state_tier import BlockEntry, Tier, TierView, store
 
 TIER_WEIGHTS: Final[Mapping[Medium, float]] = MappingProxyType({"GPU": 1.0, "CPU": 0.8})
 
 _EMPTY: Final[Mapping[int, BlockEntry]] = MappingProxyType({})
-
-
-class BlockEntry(msgspec.Struct, frozen=True):
-    """What the reducer keeps per resident block: enough to re-emit its BlockStored."""
-
-    parent: int | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    kv_cache_spec_kind: SpecKind = "full_attention"
-    sliding_window: int | None = None
-    lora_name: str | None = None
-    extra_keys: Any = None
 
 
 class Violation(msgspec.Struct, frozen=True):
@@ -82,10 +67,6 @@ class Snapshot(msgspec.Struct, frozen=True):
     sources: tuple[SourceSnapshot, ...]
 
 
-Tier = dict[int, BlockEntry]
-TierKey = tuple[Medium, int]  # (medium, group_idx)
-
-
 class CacheState:
     """Resident blocks per (source, medium, group_idx), fenced per source."""
 
@@ -104,19 +85,29 @@ class CacheState:
 
     def apply(self, record: LogRecord) -> ApplyResult:
         """Apply one record; records must come in offset order."""
+        # The hot path of every consumer (events.state_apply): the common fence case, the next
+        # seq of the current incarnation, is checked inline.
         offset, source = record.offset, record.source
-        if offset <= self._offset:
+        last = self._offset
+        if offset <= last:
             return ApplyResult.DUPLICATE
-        if offset > self._offset + 1:
-            self._violate(offset, source, "log_gap", f"expected offset {self._offset + 1}")
+        if offset > last + 1:
+            self._violate(offset, source, "log_gap", f"expected offset {last + 1}")
         self._offset = offset
-        if record.incarnation != 0:  # 0: rebuilt from a ZMQ stream, nothing to fence on
-            fenced = self._fence(record)
-            if fenced is not ApplyResult.APPLIED:
-                return fenced
-        tiers = self._tiers.setdefault(source, {})
-        for event in record.events:
-            self._apply_event(tiers, event, offset, source)
+        inc = record.incarnation
+        if inc != 0:  # 0: rebuilt from a ZMQ stream, nothing to fence on
+            known = self._fences.get(source)
+            seq = record.source_seq
+            if known is not None and known[0] == inc and seq == known[1] + 1:
+                self._fences[source] = (inc, seq)
+            else:
+                fenced = self._fence(record)
+                if fenced is not ApplyResult.APPLIED:
+                    return fenced
+        tiers = self._tiers.get(source)
+        if tiers is None:
+            tiers = self._tiers[source] = {}
+        apply_events(tiers, record.events, offset, source, self._violate)
         return ApplyResult.APPLIED
 
     def _fence(self, record: LogRecord) -> ApplyResult:
@@ -155,43 +146,6 @@ class CacheState:
         self._fences[source] = (inc, seq)
         return ApplyResult.APPLIED
 
-    def _apply_event(
-        self, tiers: dict[TierKey, Tier], event: Event, offset: int, source: str
-    ) -> None:
-        try:
-            if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
-                raise SchemaError(f"not an event: {type(event).__name__}")
-            validate_event(event)
-        except SchemaError as exc:
-            self._violate(offset, source, "invalid_event", str(exc))
-            return
-        if isinstance(event, BlockStored):
-            tier = tiers.setdefault((event.medium, event.group_idx), {})
-            parent = event.parent_block_hash
-            if event.medium == "GPU" and parent is not None and parent not in tier:
-                # The CPU tier evicts parents before children legitimately; the GPU tier not.
-                self._violate(
-                    offset,
-                    source,
-                    "orphan_child",
-                    f"parent {parent} of {event.block_hashes[0]} not resident in "
-                    f"GPU group {event.group_idx}",
-                )
-            _store(tier, event)
-        elif isinstance(event, BlockRemoved):
-            tier = tiers.get((event.medium, event.group_idx), {})
-            for h in event.block_hashes:
-                if tier.pop(h, None) is None:
-                    self._violate(
-                        offset,
-                        source,
-                        "unknown_block_removed",
-                        f"{h} not resident in {event.medium} group {event.group_idx}",
-                    )
-        else:
-            for key in [k for k in tiers if event.medium is None or k[0] == event.medium]:
-                del tiers[key]
-
     def _violate(self, offset: int, source: str, kind: str, detail: str) -> None:
         self.violations.append(Violation(offset, source, kind, detail))
 
@@ -206,7 +160,7 @@ class CacheState:
 
     def blocks(self, source: str, medium: Medium, group_idx: int = 0) -> Mapping[int, BlockEntry]:
         tier = self._tiers.get(source, {}).get((medium, group_idx))
-        return _EMPTY if tier is None else MappingProxyType(tier)
+        return _EMPTY if tier is None else TierView(tier)
 
     def has(self, source: str, medium: Medium, block_hash: int, group_idx: int = 0) -> bool:
         tier = self._tiers.get(source, {}).get((medium, group_idx))
@@ -281,7 +235,7 @@ class CacheState:
                 state._fences[src.source] = (src.incarnation, src.last_seq)
             for event in src.events:
                 validate_event(event)
-                _store(tiers.setdefault((event.medium, event.group_idx), {}), event)
+                store(tiers.setdefault((event.medium, event.group_idx), {}), event)
         return state
 
     def __eq__(self, other: object) -> bool:
@@ -293,23 +247,3 @@ class CacheState:
 
     def __repr__(self) -> str:
         return f"CacheState(offset={self._offset}, counts={self.counts()})"
-
-
-def _store(tier: Tier, event: BlockStored) -> None:
-    parent = event.parent_block_hash
-    bs = event.block_size
-    toks = event.token_ids
-    keys = event.extra_keys
-    kind, window, lora = event.kv_cache_spec_kind, event.sliding_window, event.lora_name
-    for i, h in enumerate(event.block_hashes):
-        start = i * bs
-        tier[h] = BlockEntry(
-            parent,
-            toks[start : start + bs],
-            bs,
-            kind,
-            window,
-            lora,
-            None if keys is None else keys[i],
-        )
-        parent = h

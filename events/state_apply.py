@@ -1,0 +1,129 @@
+"""The events of one record applied to one source's tiers: CacheState's hot loop.
+
+Every consumer of the log (the daemon's recovery, the bridge, subscribers, kvctl) spends its
+time here, so the common cases, a valid BlockStored or BlockRemoved, run inline with locals and
+no per-block allocation (events.state_tier). Their checks accept exactly what
+``validate_event`` accepts for the types the schema declares; anything else, an invalid event
+included, takes the general path, which validates with ``validate_event`` for the message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from events.schema import (
+    MAX_HASH,
+    MEDIA,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    Medium,
+    SchemaError,
+    validate_event,
+)
+from events.state_tier import Tier
+
+TierKey = tuple[Medium, int]  # (medium, group_idx)
+Violate = Callable[[int, str, str, str], None]  # (offset, source, kind, detail)
+
+
+def apply_events(
+    tiers: dict[TierKey, Tier], events: Iterable[Event], offset: int, source: str, violate: Violate
+) -> None:
+    for event in events:
+        if type(event) is BlockStored:
+            hashes = event.block_hashes
+            n = len(hashes)
+            bs = event.block_size
+            parent = event.parent_block_hash
+            keys = event.extra_keys
+            medium = event.medium
+            group = event.group_idx
+            ok = (
+                n > 0
+                and bs > 0
+                and len(event.token_ids) == n * bs
+                and medium in MEDIA
+                and group >= 0
+                and (parent is None or 0 <= parent <= MAX_HASH)
+                and (keys is None or len(keys) == n)
+            )
+            if ok:
+                for h in hashes:
+                    if not 0 <= h <= MAX_HASH:
+                        ok = False
+                        break
+            if ok:
+                tier = tiers.get((medium, group))
+                if tier is None:
+                    tier = tiers[(medium, group)] = {}
+                if parent is not None and medium == "GPU" and parent not in tier:
+                    _orphan(violate, offset, source, event)
+                for h in hashes:
+                    tier[h] = event
+                continue
+        elif type(event) is BlockRemoved:
+            hashes = event.block_hashes
+            medium = event.medium
+            group = event.group_idx
+            ok = medium in MEDIA and group >= 0
+            if ok:
+                for h in hashes:
+                    if not 0 <= h <= MAX_HASH:
+                        ok = False
+                        break
+            if ok:
+                _remove(tiers, event, offset, source, violate)
+                continue
+        _apply_checked(tiers, event, offset, source, violate)
+
+
+def _apply_checked(
+    tiers: dict[TierKey, Tier], event: Event, offset: int, source: str, violate: Violate
+) -> None:
+    """The general path: any event type (subclasses included), validated first."""
+    try:
+        if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
+            raise SchemaError(f"not an event: {type(event).__name__}")
+        validate_event(event)
+    except SchemaError as exc:
+        violate(offset, source, "invalid_event", str(exc))
+        return
+    if isinstance(event, BlockStored):
+        tier = tiers.setdefault((event.medium, event.group_idx), {})
+        parent = event.parent_block_hash
+        if event.medium == "GPU" and parent is not None and parent not in tier:
+            _orphan(violate, offset, source, event)
+        for h in event.block_hashes:
+            tier[h] = event
+    elif isinstance(event, BlockRemoved):
+        _remove(tiers, event, offset, source, violate)
+    else:
+        for key in [k for k in tiers if event.medium is None or k[0] == event.medium]:
+            del tiers[key]
+
+
+def _orphan(violate: Violate, offset: int, source: str, event: BlockStored) -> None:
+    # The CPU tier evicts parents before children legitimately; the GPU tier not.
+    violate(
+        offset,
+        source,
+        "orphan_child",
+        f"parent {event.parent_block_hash} of {event.block_hashes[0]} not resident in "
+        f"GPU group {event.group_idx}",
+    )
+
+
+def _remove(
+    tiers: dict[TierKey, Tier], event: BlockRemoved, offset: int, source: str, violate: Violate
+) -> None:
+    tier = tiers.get((event.medium, event.group_idx), {})
+    for h in event.block_hashes:
+        if tier.pop(h, None) is None:  # stored values are events, never None
+            violate(
+                offset,
+                source,
+                "unknown_block_removed",
+                f"{h} not resident in {event.medium} group {event.group_idx}",
+            )
