@@ -99,7 +99,10 @@ def test_pipeline_fault_under_load(own_redis: RedisProcess, tmp_path: Path, name
               f"{len(records)} records")
         assert sub.stats.lost == 0
         if fault == "bridge-kill9":
-            assert sub.stats.gaps + sub.stats.replayed > 0, sub.stats  # it did miss batches
+            # The restarted bridge resumes from its last saved position: the subscriber either
+            # drops the re-sent batches as duplicates or, when its SUB reconnected late, fills
+            # the gap by replay. Either way the restart was felt, and the state above is exact.
+            assert sub.stats.duplicates + sub.stats.gaps + sub.stats.replayed > 0, sub.stats
         bridge.wait_healthy(10)
     finally:
         for p in pubs:
