@@ -10,10 +10,14 @@ from torch import Tensor
 
 from engine.errors import InvalidRequest
 
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy (as in vLLM): dividing logits by a denormal-small
+temperature overflows to inf and the softmax turns into NaN."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` is greedy."""
+    """How to pick tokens and when to stop. ``temperature < SAMPLING_EPS`` (0 included) is greedy."""
 
     max_tokens: int | None = 16
     """New tokens at most; None: the engine's default_max_tokens."""
@@ -42,7 +46,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
 
 def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> int:

@@ -77,6 +77,13 @@ def test_tiny_top_p_is_greedy(llm: LLM) -> None:
     assert greedy[0].outputs[0].token_ids == nucleus[0].outputs[0].token_ids
 
 
+def test_tiny_temperature_is_greedy(llm: LLM) -> None:
+    # Found by fuzzing: 2.8e-45 overflowed logits / temperature to inf and failed the step.
+    greedy = llm.generate(["abc"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    tiny = llm.generate(["abc"], SamplingParams(temperature=2.8e-45, seed=1, max_tokens=8, ignore_eos=True))
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+
+
 def test_stop_token_ids_and_length(llm: LLM) -> None:
     ref = llm.generate(["abc"], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0]
     assert ref.finish_reason == "length" and len(ref.token_ids) == 6
