@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from stack.healthcheck import grpc_serving, http_ok
@@ -103,8 +103,7 @@ class Stack:
             f"--offloadd={self.endpoints.offloadd}", "--offload",
         ), ready=lambda: grpc_serving(f"127.0.0.1:{port}"), timeout_s=120)
         target = f"127.0.0.1:{port}"
-        self.endpoints = Endpoints(**{**self.endpoints.__dict__,
-                                      "engines": (*self.endpoints.engines, target)})
+        self.endpoints = replace(self.endpoints, engines=(*self.endpoints.engines, target))
         return target
 
     def down(self) -> None:

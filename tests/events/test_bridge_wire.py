@@ -14,67 +14,15 @@ import redis
 import zmq
 
 from events.schema import BlockRemoved, BlockStored, LogRecord
+from tests.events.vllm_schema import (
+    KVEventBatch,
+    LBlockRemoved,
+    LBlockStored,
+    LegacyBatch,
+    VBlockRemoved,
+    VBlockStored,
+)
 from tests.support.bridge_proc import BridgeProcess, FleetSimulator, LogWriter
-
-# -- the consumer's own schema (map layout, vLLM v0.26) ----------------------------------------
-
-
-class VStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int = 0
-    kv_cache_spec_kind: str = "full_attention"
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class VRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int = 0
-
-
-class VCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True):
-    pass
-
-
-class VBatch(msgspec.Struct, array_like=True, omit_defaults=True):
-    ts: float
-    events: list[VStored | VRemoved | VCleared]
-    data_parallel_rank: int | None = None
-
-
-# -- legacy layout (vLLM v0.23) -----------------------------------------------------------------
-
-
-class LStored(msgspec.Struct, tag="BlockStored", array_like=True):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class LRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class LCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
-    pass
-
-
-class LBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[LStored | LRemoved | LCleared]
-    data_parallel_rank: int | None = None
-
 
 END = b"\xff" * 8
 
@@ -142,12 +90,12 @@ def _expected_wire(record: LogRecord) -> list[tuple[Any, ...]]:
     return out
 
 
-def _got_wire(batch: VBatch | LBatch) -> list[tuple[Any, ...]]:
+def _got_wire(batch: KVEventBatch | LegacyBatch) -> list[tuple[Any, ...]]:
     out: list[tuple[Any, ...]] = []
     for e in batch.events:
-        if isinstance(e, VStored | LStored):
+        if isinstance(e, VBlockStored | LBlockStored):
             out.append(("S", e.block_hashes, e.parent_block_hash, e.token_ids, e.medium))
-        elif isinstance(e, VRemoved | LRemoved):
+        elif isinstance(e, VBlockRemoved | LBlockRemoved):
             out.append(("R", e.block_hashes, e.medium))
     return out
 
@@ -164,7 +112,7 @@ def test_stock_subscriber_decodes_every_batch_and_replays_from_seq(
         first = sub.recv_multipart()
         written += sim.write(writer, 40)
         live = [first, *_recv_live(sub, 40)]
-        decoder = msgspec.msgpack.Decoder(VBatch)
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
         by_offset = {r.offset: r for r in written}
         seqs = []
         for topic, seq_frame, payload in live:
@@ -202,7 +150,7 @@ def test_legacy_layout_decodes_with_a_v023_schema(
     try:
         dealer = zctx.socket(zmq.DEALER)
         dealer.connect(bridge.replay)
-        decoder = msgspec.msgpack.Decoder(LBatch)
+        decoder = msgspec.msgpack.Decoder(LegacyBatch)
         got = [f[1:] for f in _replay(dealer, 0)]
         assert got[-1] == [b"", END, b""]
         got = got[:-1]
