@@ -77,16 +77,18 @@ class BlockPool:
 
     def num_reclaimable(self, block_ids: Sequence[int]) -> int:
         """How many of these (cached) blocks sit in the free queue and would leave it on touch."""
-        return sum(1 for b in block_ids if b != NULL_BLOCK_ID and self.blocks[b].ref_cnt == 0)
+        blocks = self.blocks
+        return sum([1 for b in block_ids if b != NULL_BLOCK_ID and blocks[b].ref_cnt == 0])
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take a reference on prefix-cache hits, pulling free ones out of the LRU queue."""
+        blocks, free_queue = self.blocks, self.free_queue
         for b in block_ids:
             if b == NULL_BLOCK_ID:
                 continue
-            blk = self.blocks[b]
+            blk = blocks[b]
             if blk.ref_cnt == 0:
-                del self.free_queue[b]
+                del free_queue[b]
             blk.ref_cnt += 1
 
     def allocate(self, n: int) -> list[int]:
@@ -115,16 +117,17 @@ class BlockPool:
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference each, in the given order; cached blocks join the LRU tail, others
         the front (nothing to keep them for)."""
+        blocks, free_queue = self.blocks, self.free_queue
         for b in block_ids:
             if b == NULL_BLOCK_ID:
                 continue
-            blk = self.blocks[b]
+            blk = blocks[b]
             assert blk.ref_cnt > 0, f"double free of block {b}"
             blk.ref_cnt -= 1
             if blk.ref_cnt == 0:
-                self.free_queue[b] = None
+                free_queue[b] = None
                 if blk.digest is None:
-                    self.free_queue.move_to_end(b, last=False)
+                    free_queue.move_to_end(b, last=False)
 
     def cache_full_blocks(
         self,
@@ -145,26 +148,31 @@ class BlockPool:
         run: list[int] = []
         run_parent = parent
         prev = parent
+        bs = self.block_size
+        blocks = self.blocks
+        cached = self.hash_to_block
+        # Slices of a tuple are tuples: one copy per block, not a list and then a tuple.
+        tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
         for i, (b, digest) in enumerate(zip(block_ids, digests, strict=True)):
-            existing = self.hash_to_block.get(digest)
+            existing = cached.get(digest)
             if existing is not None:
-                self._emit_stored(run, digests, token_ids, run_parent)
+                self._emit_stored(run, digests, tokens, run_parent)
                 run = []
                 result.append(existing)
             else:
-                blk = self.blocks[b]
+                blk = blocks[b]
                 assert b != NULL_BLOCK_ID and blk.digest is None, f"block {b} cannot take a hash"
                 blk.digest = digest
                 blk.parent = prev
-                blk.token_ids = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+                blk.token_ids = tokens[i * bs : (i + 1) * bs]
                 blk.depth = depth + i
-                self.hash_to_block[digest] = b
+                cached[digest] = b
                 result.append(None)
                 if not run:
                     run_parent = prev
                 run.append(i)
             prev = digest
-        self._emit_stored(run, digests, token_ids, run_parent)
+        self._emit_stored(run, digests, tokens, run_parent)
         return result
 
     def _emit_stored(
@@ -175,7 +183,7 @@ class BlockPool:
         bs = self.block_size
         self._events.append(
             BlockStored(
-                block_hashes=tuple(to_wire(digests[i]) for i in run),
+                block_hashes=tuple(map(to_wire, digests[run[0] : run[-1] + 1])),
                 parent_block_hash=None if parent is None else to_wire(parent),
                 # A run is consecutive blocks: one slice of the (int) token ids.
                 token_ids=tuple(token_ids[run[0] * bs : (run[-1] + 1) * bs]),

@@ -55,8 +55,9 @@ class KVCacheManager:
         limit = len(digests)
         for pool in self.pools:
             if pool.sliding_window is None:
+                cached = pool.hash_to_block
                 n = 0
-                while n < limit and pool.get_cached_block(digests[n]) is not None:
+                while n < limit and digests[n] in cached:
                     n += 1
                 limit = n
         for n in range(limit, 0, -1):
@@ -80,10 +81,9 @@ class KVCacheManager:
         total = _cdiv(num_computed + num_new_tokens, bs)
         plans: list[tuple[BlockPool, list[int], int, int]] = []
         for pool in self.pools:
-            first = self._first_needed_block(pool, num_hit * bs)
-            hits = [
-                NULL_BLOCK_ID if i < first else pool.blocks_for(digests[i]) for i in range(num_hit)
-            ]
+            first = min(self._first_needed_block(pool, num_hit * bs), num_hit)
+            cached = pool.hash_to_block
+            hits = [NULL_BLOCK_ID] * first + [cached[d] for d in digests[first:num_hit]]
             # Loaded sliding-window blocks that are already outside the window stay null: never
             # read, so neither allocated, loaded nor hashed (the offload tier needs only the window).
             skip = min(self._first_needed_block(pool, num_computed), num_hit + num_external) - num_hit
@@ -137,7 +137,8 @@ class KVCacheManager:
             req.num_hashed_blocks = max(start, num_full)
             return []
         digests = req.block_digests(self.hasher, num_full)
-        tokens = req.all_token_ids[start * bs : num_full * bs]
+        # A tuple: its per-block slices are the tuples that events and NewBlocks keep.
+        tokens = tuple(req.token_ids(start * bs, num_full * bs))
         out: list[NewBlocks] = []
         for pool, blocks in zip(self.pools, self.block_tables[req.request_id], strict=True):
             # Null (out-of-window, never loaded) blocks at the front are skipped, not hashed.
@@ -153,7 +154,20 @@ class KVCacheManager:
                     pool.touch([existing])
                     pool.free([blocks[start + i]])
                     blocks[start + i] = existing
-            if fresh:
+            if len(fresh) == num_full - start:  # the common case: slices, not per-block picks
+                parents: tuple[bytes | None, ...] = (digests[start - 1] if start else None, *digests[start : num_full - 1])
+                out.append(
+                    NewBlocks(
+                        request_id=req.request_id,
+                        group_idx=pool.group_idx,
+                        block_ids=tuple(blocks[start:num_full]),
+                        digests=tuple(digests[start:num_full]),
+                        block_indices=tuple(range(start, num_full)),
+                        parents=parents,
+                        token_ids=tuple([tokens[i : i + bs] for i in range(0, len(tokens), bs)]),
+                    )
+                )
+            elif fresh:
                 out.append(
                     NewBlocks(
                         request_id=req.request_id,
@@ -162,7 +176,7 @@ class KVCacheManager:
                         digests=tuple(digests[start + i] for i in fresh),
                         block_indices=tuple(start + i for i in fresh),
                         parents=tuple(digests[start + i - 1] if start + i > 0 else None for i in fresh),
-                        token_ids=tuple(tuple(tokens[i * bs : (i + 1) * bs]) for i in fresh),
+                        token_ids=tuple([tokens[i * bs : (i + 1) * bs] for i in fresh]),
                     )
                 )
         req.num_hashed_blocks = num_full

@@ -57,14 +57,21 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without copying the whole sequence first."""
+        prompt = self.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        return (prompt + self.output_token_ids)[start:end]
+
     def block_digests(self, hasher: BlockHasher, num_blocks: int) -> list[bytes]:
         """Full digests of the first ``num_blocks`` full blocks, computed once and chained."""
-        bs = hasher.block_size
-        tokens = self.all_token_ids
-        while len(self._digests) < num_blocks:
-            i = len(self._digests)
-            parent = self._digests[-1] if self._digests else None
-            self._digests.append(hasher.hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+        have = len(self._digests)
+        if have < num_blocks:
+            bs = hasher.block_size
+            parent = self._digests[-1] if have else None
+            # One call for all new blocks: the hasher's fast path works on a whole prompt.
+            self._digests.extend(hasher.hash_blocks(self.token_ids(have * bs, num_blocks * bs), parent))
         return self._digests[:num_blocks]
 
 

@@ -156,3 +156,26 @@ def test_streamed_text_adds_up_to_the_final_text(llm: LLM) -> None:
             streamed += "".join(o.new_text for o in engine.step())
         assert streamed == req.output_text
         assert stop not in streamed or params.stop != (stop,)
+
+
+def test_int_like_token_ids_become_plain_ints(llm: LLM) -> None:
+    import enum
+
+    import numpy as np
+
+    class Tok(enum.IntEnum):
+        FIVE = 5
+
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    want = llm.generate([5, 6, 7], params)[0]
+    for outs in (llm.generate([Tok.FIVE, 6, 7], params), llm.generate([[np.int64(5), 6, 7]], params)):
+        (out,) = outs
+        assert out.prompt_token_ids == [5, 6, 7]
+        assert [type(t) for t in out.prompt_token_ids] == [int, int, int]
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    caller = [5, 6, 7]
+    req = llm.engine.add_request(caller, params)
+    caller.append(8)  # the request keeps its own copy
+    assert req.prompt_token_ids == [5, 6, 7]
+    while llm.engine.has_unfinished:
+        llm.engine.step()

@@ -97,3 +97,39 @@ def test_bad_config_is_refused() -> None:
         BlockHasher(algo="md5")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="block_size"):
         BlockHasher(block_size=0)
+
+
+_TOKEN = st.one_of(
+    st.integers(0, 2**16 + 5),  # the table, and just past it
+    st.integers(0, 2**64 + 5),  # every CBOR head size, and bignums (general path)
+    st.integers(-5, -1),  # negative ids: CBOR major type 1 (general path)
+    st.booleans(),  # hashed as int(True) == 1
+)
+
+
+@given(
+    tokens=st.lists(_TOKEN, max_size=70),
+    seed=st.text(max_size=4),
+    block_size=st.integers(1, 20),
+    algo=st.sampled_from(["sha256_cbor", "xxh3_128_cbor"]),
+    parent=st.none() | st.binary(max_size=40),
+)
+def test_fast_path_matches_cbor2_path(
+    tokens: list[int], seed: str, block_size: int, algo: str, parent: bytes | None
+) -> None:
+    hasher = BlockHasher(seed=seed, block_size=block_size, algo=algo)  # type: ignore[arg-type]
+    want = hasher.hash_blocks_general(tokens, parent)
+    assert hasher.hash_blocks(tokens, parent) == want
+    assert len(want) == len(tokens) // block_size
+    # One block of any length (hash_block takes what it is given) against cbor2.
+    assert hasher.hash_block(parent, tokens) == hasher._hash_general(
+        hasher.none_hash if parent is None else parent, tokens, None
+    )
+
+
+def test_fast_path_takes_what_int_takes() -> None:
+    hasher = BlockHasher(block_size=2)
+    assert hasher.hash_blocks([1.0, 2.0]) == hasher.hash_blocks([1, 2])  # type: ignore[list-item]
+    assert hasher.hash_blocks(["70000", "3"]) == hasher.hash_blocks([70000, 3])  # type: ignore[list-item]
+    assert hasher.hash_blocks([2**64, 1]) == hasher.hash_blocks_general([2**64, 1])
+    assert hasher.hash_blocks([1, 2], extra_keys=("lora",)) == hasher.hash_blocks_general([1, 2], extra_keys=("lora",))
