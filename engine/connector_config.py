@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal
 
-CopyMode = Literal["auto", "kernel", "memcpy"]
-COPY_MODES: Final[tuple[CopyMode, ...]] = ("auto", "kernel", "memcpy")
+CopyMode = Literal["auto", "kernel", "memcpy", "batch", "mixed"]
+COPY_MODES: Final[tuple[CopyMode, ...]] = ("auto", "kernel", "memcpy", "batch", "mixed")
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,11 @@ class OffloadConnectorConfig:
     rather than slowing generation down."""
     copy_mode: CopyMode = "auto"
     """CUDA only: ``kernel`` moves blocks with one gather/scatter kernel through the registered
-    (mapped) arena; ``memcpy`` with one DMA copy per run of adjacent slots; ``auto`` picks per copy: memcpy when the slots come in runs of several blocks, else kernel."""
+    (mapped) arena; ``memcpy`` with one DMA copy (cudaMemcpyAsync) per run of adjacent slots;
+    ``batch`` the same DMA copies issued with one cudaMemcpyBatchAsync (CUDA >= 12.8 runtime, else
+    ``memcpy``); ``mixed`` moves 3/4 of the blocks by DMA (``batch`` when available) while the
+    kernel moves the rest concurrently; ``auto`` picks per copy: DMA alone when the slots come in
+    runs of several blocks, else ``mixed`` (engine.offload_copy)."""
     retry_register_s: float = 5.0
     """After the daemon was unreachable, how long to wait before registering again."""
 

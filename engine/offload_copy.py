@@ -13,7 +13,12 @@ gather or scatter per chunk file per call, never one call per block.
 - CUDA, ``memcpy`` mode: blocks are ordered by
   slot and moved with one DMA ``cudaMemcpyAsync`` per run of adjacent slots between the arena
   and a device staging tensor, plus one gather/scatter kernel on the device side.
-- CUDA, ``auto`` (default): per call, ``memcpy`` when the slots come in runs, else ``kernel``.
+- CUDA, ``batch`` mode: the same DMA copies, all issued with one ``cudaMemcpyBatchAsync``
+  (CUDA >= 12.8 runtime; else ``memcpy``).
+- CUDA, ``mixed`` mode: a share of the blocks (``dma_share``) goes by DMA (``batch`` when
+  available, else per-run memcpy) on a side stream while the rest goes by the zero-copy kernel
+  on the current stream, so PCIe stays busy through the copy engine's per-copy gaps.
+- CUDA, ``auto`` (default): per call, all by DMA when the slots come in runs, else ``mixed``.
 """
 
 from __future__ import annotations
@@ -26,11 +31,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.connector_config import COPY_MODES
 from engine.offload_cuda import (
     CUDA_HOST_REGISTER_PORTABLE_MAPPED,
-    CUDA_MEMCPY_DEFAULT,
     CudaArray,
+    DmaCopier,
+    find_cuda_batch_memcpy,
     find_cuda_memcpy,
+    loaded_cudart,
+    pair_runs,
 )
 from offloadd.client import ArenaGeometry, ArenaMapping, GroupArenaInfo
 
@@ -48,12 +57,8 @@ class _Batch:
 
 def _runs(sorted_slots: Tensor) -> list[tuple[int, int, int]]:
     """:func:`slot_runs` of an ascending tensor, with vector ops."""
-    n = len(sorted_slots)
-    if n == 0:
-        return []
-    starts = [0, *((sorted_slots.diff() != 1).nonzero().flatten() + 1).tolist()]
-    first = sorted_slots[starts].tolist()
-    return [(a, f, b - a) for a, f, b in zip(starts, first, [*starts[1:], n], strict=True)]
+    first, pos, length = pair_runs(sorted_slots, torch.arange(len(sorted_slots)))
+    return list(zip(pos.tolist(), first.tolist(), length.tolist(), strict=True))
 
 
 def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -74,17 +79,33 @@ class ArenaBlocks:
     def __init__(
         self, mapping: ArenaMapping, block_shape: Sequence[int], dtype: torch.dtype,
         device: torch.device, copy_mode: str = "auto", num_dma_streams: int = 1,
+        dma_share: float = 0.75, batch_flags: int = 0,
     ) -> None:
+        if copy_mode not in COPY_MODES:
+            raise ValueError(f"copy_mode must be one of {', '.join(COPY_MODES)}; got {copy_mode!r}")
+        if num_dma_streams < 1:
+            raise ValueError(f"num_dma_streams must be >= 1, got {num_dma_streams}")
+        if not 0.0 <= dma_share <= 1.0:
+            raise ValueError(f"dma_share must be within [0, 1], got {dma_share}")
         self.mapping = mapping
         self.geometry = mapping.geometry
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = dtype
         self.device = device
         self.is_cuda = device.type == "cuda"
-        self._memcpy = find_cuda_memcpy() if self.is_cuda else None
         self.num_dma_streams = num_dma_streams
-        self._dma_streams: list[torch.cuda.Stream] = []
-        self.copy_mode = copy_mode if copy_mode != "memcpy" or self._memcpy is not None else "kernel"
+        self.dma_share = dma_share
+        lib = loaded_cudart() if self.is_cuda else None
+        self._memcpy = find_cuda_memcpy(lib) if lib is not None else None
+        self._batch = (find_cuda_batch_memcpy(lib, batch_flags)
+                       if lib is not None and copy_mode in ("batch", "mixed", "auto") else None)
+        if self.is_cuda and copy_mode == "batch" and self._batch is None:
+            log.warning("cudaMemcpyBatchAsync needs a CUDA >= 12.8 runtime: copy_mode batch falls back to memcpy")
+            copy_mode = "memcpy"
+        if copy_mode == "memcpy" and self._memcpy is None:
+            copy_mode = "kernel"
+        self.copy_mode = copy_mode
+        self._dma = DmaCopier(device, num_dma_streams, self._memcpy, self._batch)
         nbytes = torch.empty((), dtype=dtype).element_size()
         for d in self.block_shape:
             nbytes *= d
@@ -188,13 +209,29 @@ class ArenaBlocks:
             elif b.chunk in self._pageable:
                 host.index_copy_(0, b.local, rows.cpu())
             else:
-                srt, order = torch.sort(b.local)
-                if self._use_kernel(srt):
-                    self.device_chunk(b.chunk).index_copy_(0, self._index(b.local, staging.device), rows)
-                    continue
-                if not torch.equal(order, torch.arange(len(order))):
-                    rows = rows[self._index(order, rows.device)]
-                self._dma(host, rows.contiguous(), srt, to_host=True)
+                self._write_cuda(b.chunk, host, rows, b.local)
+
+    def _write_cuda(self, chunk: int, host: Tensor, rows: Tensor, local: Tensor) -> None:
+        srt, order = torch.sort(local)
+        k, n, dev = self._dma_count(srt), len(srt), rows.device
+        if k == 0:
+            self.device_chunk(chunk).index_copy_(0, self._index(local, dev), rows)
+            return
+        # ``rows`` stays referenced until the join: the DMA streams read it.
+        if k == n:
+            # All by DMA: reorder the rows by slot so that adjacent slots make one copy.
+            if not torch.equal(order, torch.arange(n)):
+                rows = rows[self._index(order, dev)]
+            rows = rows.contiguous()
+            self._dma.copy(host, rows, srt, torch.arange(n), to_host=True)
+        else:
+            # Mixed: DMA straight from the caller's rows (one copy per run where rows and slots
+            # both follow on) while the kernel moves the rest on the current stream.
+            rows = rows.contiguous()
+            self._dma.copy(host, rows, srt[:k], order[:k], to_host=True)
+            rest = self._index(order[k:], dev)
+            self.device_chunk(chunk).index_copy_(0, self._index(srt[k:], dev), rows[rest])
+        self._dma.join()
 
     # -- load: slots -> KV tensor, one scatter per chunk --------------------------------
 
@@ -213,14 +250,27 @@ class ArenaBlocks:
             elif b.chunk in self._pageable:
                 src = host.index_select(0, b.local).to(kv.device)
             else:
-                srt, order = torch.sort(b.local)
-                if self._use_kernel(srt):
-                    src = self.device_chunk(b.chunk).index_select(0, self._index(b.local, kv.device))
-                else:
-                    ids = ids[order]
-                    src = torch.empty((len(srt), host.shape[1]), dtype=self.wide, device=kv.device)
-                    self._dma(host, src, srt, to_host=False)
+                self._read_cuda(kv, b.chunk, host, ids, b.local)
+                continue
             self._flat(kv).index_copy_(0, self._index(ids, kv.device), src)
+
+    def _read_cuda(self, kv: Tensor, chunk: int, host: Tensor, ids: Tensor, local: Tensor) -> None:
+        srt, order = torch.sort(local)
+        k, n, flat = self._dma_count(srt), len(srt), self._flat(kv)
+        if k == 0:
+            src = self.device_chunk(chunk).index_select(0, self._index(local, kv.device))
+            flat.index_copy_(0, self._index(ids, kv.device), src)
+            return
+        ids = ids[order]
+        # The DMA fills a staging tensor in slot order (so adjacent slots make one copy) on
+        # side streams; the kernel loads the rest straight into the KV tensor meanwhile.
+        staging = torch.empty((k, host.shape[1]), dtype=self.wide, device=kv.device)
+        self._dma.copy(host, staging, srt[:k], torch.arange(k), to_host=False)
+        if k < n:
+            rest = self.device_chunk(chunk).index_select(0, self._index(srt[k:], kv.device))
+            flat.index_copy_(0, self._index(ids[k:], kv.device), rest)
+        self._dma.join()
+        flat.index_copy_(0, self._index(ids[:k], kv.device), staging)
 
     def _scratch(self, rows: int, cols: int) -> Tensor:
         """A reused CPU buffer: a fresh large tensor per load costs its page faults, which
@@ -229,53 +279,31 @@ class ArenaBlocks:
             self._cpu_scratch = torch.empty((rows, cols), dtype=self.wide)
         return self._cpu_scratch[:rows]
 
-    def _use_kernel(self, sorted_local: Tensor) -> bool:
-        """``auto``: DMA when slots come in runs (fresh reservations usually do), else one kernel.
+    @property
+    def dma_path(self) -> str:
+        """How DMA copies are issued now: ``batch``, ``memcpy`` (ctypes) or ``torch`` (copy_)."""
+        return "batch" if self._dma.batch else "memcpy" if self._dma.memcpy else "torch"
 
-        Measured on the H200 with 512 KiB blocks: a DMA copy costs ~3 us beyond its bytes, so
-        single-block copies reach ~0.77 of the limit and the kernel ~0.84; runs of 4+ blocks
-        make DMA the faster one (docs/BENCHMARKS.md)."""
-        if self.copy_mode != "auto":
-            return self.copy_mode == "kernel"
+    def _dma_count(self, sorted_local: Tensor) -> int:
+        """How many of the call's blocks (the first in slot order) go by DMA; the rest go by
+        the zero-copy kernel.
+
+        ``auto``: all by DMA when slots come in runs (fresh reservations usually do), else
+        ``mixed`` (DMA for ``dma_share`` of the blocks, the kernel for the rest at once).
+        Measured on the H200 with 512 KiB blocks at random slots: a DMA copy costs ~3 us beyond
+        its bytes (0.79 of the limit one by one, 0.88/0.92 store/load in one batch call), the
+        kernel alone 0.88/0.86, both together 0.90/0.91; runs of 4+ blocks make DMA alone the
+        fastest (0.92; docs/BENCHMARKS.md)."""
+        n = len(sorted_local)
+        if self.copy_mode == "kernel":
+            return 0
+        if self.copy_mode in ("memcpy", "batch"):
+            return n
+        if self.copy_mode == "mixed":
+            return round(self.dma_share * n)
         if self._memcpy is None:
-            return True
-        return len(_runs(sorted_local)) * 4 > len(sorted_local)
-
-    def _dma(self, host: Tensor, dev: Tensor, sorted_local: Tensor, to_host: bool) -> None:
-        """One async copy per run of adjacent slots between ``host[local]`` and ``dev`` rows.
-
-        Through cudaMemcpyAsync by ctypes when libcudart is loaded (about 1 us of Python per
-        copy, so the copy engine, not the interpreter, sets the pace), else tensor ``copy_``."""
-        slot_bytes = self.geometry.slot_bytes
-        runs = _runs(sorted_local)
-        if self._memcpy is None:
-            for pos, slot, n in runs:
-                if to_host:
-                    host[slot : slot + n].copy_(dev[pos : pos + n], non_blocking=True)
-                else:
-                    dev[pos : pos + n].copy_(host[slot : slot + n], non_blocking=True)
-            return
-        # Copies round-robin over several streams: each copy engine transfer has a fixed gap,
-        # and concurrent copies hide it (the streams first wait for the current one, which then
-        # waits for all of them).
-        current = torch.cuda.current_stream(self.device)
-        if not self._dma_streams:
-            self._dma_streams = [torch.cuda.Stream(self.device) for _ in range(self.num_dma_streams)]
-        ready = current.record_event()
-        handles = []
-        for st in self._dma_streams:
-            st.wait_event(ready)
-            handles.append(ctypes.c_void_p(st.cuda_stream))
-        hbase, dbase = host.data_ptr(), dev.data_ptr()
-        memcpy = self._memcpy
-        for i, (pos, slot, n) in enumerate(runs):
-            h, d = hbase + slot * slot_bytes, dbase + pos * slot_bytes
-            err = memcpy(h if to_host else d, d if to_host else h, n * slot_bytes, CUDA_MEMCPY_DEFAULT,
-                         handles[i % len(handles)])
-            if err != 0:
-                raise RuntimeError(f"cudaMemcpyAsync failed: error {err}")
-        for st in self._dma_streams:
-            current.wait_stream(st)
+            return 0
+        return n if len(_runs(sorted_local)) * 4 <= n else round(self.dma_share * n)
 
     def close(self) -> None:
         self._dev.clear()
