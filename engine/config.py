@@ -43,6 +43,10 @@ class EngineConfig:
     engine_id: str = "engine-0"
     seed: int = 0
     """Seeds sampling for requests that bring no seed of their own."""
+    enforce_eager: bool = False
+    """CUDA: run every step eagerly; by default small steps replay captured CUDA graphs."""
+    cuda_graph_max_tokens: int = 512
+    """CUDA: largest padded step (requests x tokens per request, powers of two) run as a graph."""
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -51,7 +55,8 @@ class EngineConfig:
             raise ValueError(f"dtype {self.dtype} needs a CUDA device; use float32 on {self.device}")
         if self.hash_algo not in HASH_ALGOS:
             raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
-        for name in ("block_size", "num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs", "default_max_tokens"):
+        for name in ("block_size", "num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs", "default_max_tokens",
+                     "cuda_graph_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:

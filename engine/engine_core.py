@@ -24,6 +24,7 @@ from engine.request import Request, StepOutput
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample_token
 from engine.scheduler import Scheduler
+from engine.step_graphs import StepGraphs
 from events.hashing import BlockHasher
 
 _EXACT_INT = frozenset({int})
@@ -58,7 +59,11 @@ class EngineCore:
         self.connector: OffloadConnector = connector or NullConnector()
         self.connector.register_kv_caches(self.kv_groups)
         self.scheduler = Scheduler(self.kv, self.connector, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.kv_groups, layer_slots(specs), self.kv, self.device)
+        slots = layer_slots(specs)
+        graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            graphs = StepGraphs(self.model, self.kv_groups, slots, self.device, max_tokens=config.cuda_graph_max_tokens)
+        self.runner = ModelRunner(self.model, self.kv_groups, slots, self.kv, self.device, graphs)
         self.event_sink: EventSink = event_sink or NullEventSink()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -1,0 +1,292 @@
+"""Small steps as padded grids over the paged cache, replayed as CUDA graphs.
+
+A step whose requests each compute only a few tokens (decodes, the last block of a prefix or
+CPU-tier hit, short chunks) costs far more in host work than on the GPU: ~45 eager kernel
+launches per layer from Python. Such a step is laid out as a fixed grid instead, ``R`` request
+rows of ``Q`` query slots, each reading ``NB`` whole blocks per KV group, all rounded up to
+powers of two, so that one captured CUDA graph per grid shape replays it with a single launch.
+
+Everything a graph reads lives in one static device buffer of int64 per shape, refilled by one
+pinned copy per step: token ids, each row's first position and token count, the flat index of
+its last token, and per group the row's first visible key position and its block ids. Write
+rows and masks are derived from those inside the graph. Padding (query slots past a row's
+tokens, rows past the step's requests) writes its K/V into the null block (never read unmasked:
+the null block holds finite values only) and attends to one key so softmax stays finite; its
+outputs are dropped.
+
+Capture is lazy, per shape, on the step's own inputs: the warm-up passes write the same K/V
+to the same rows as the replay will, so they change nothing. The least recently used graph is
+dropped past ``max_graphs``. ``capture=False`` runs the same grid eagerly (CPU tests of the
+layout; the CUDA tests check capture and replay against it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from engine.kv_cache import KVCacheGroup
+from engine.model.llama import LlamaForCausalLM
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class GridShape:
+    rows: int  # R: request rows
+    queries: int  # Q: query slots per row
+    blocks: tuple[int, ...]  # NB per group: blocks read per row
+
+
+@dataclass(frozen=True)
+class GridRow:
+    """One scheduled request in grid terms (host side)."""
+
+    token_ids: Sequence[int]
+    start: int  # position of the first token computed in this step
+    tables: Sequence[Sequence[int]]  # per group: the request's block table
+
+
+class _Inputs:
+    """The static int64 inputs of one shape: a pinned host staging buffer and its device twin."""
+
+    def __init__(self, shape: GridShape, device: torch.device) -> None:
+        r, q = shape.rows, shape.queries
+        sizes = [("ids", r * q), ("start", r), ("count", r), ("ends", r)]
+        for g, nb in enumerate(shape.blocks):
+            sizes += [(f"lo{g}", r), (f"gather{g}", r * nb)]
+        self.offsets: dict[str, tuple[int, int]] = {}
+        total = 0
+        for name, n in sizes:
+            self.offsets[name] = (total, n)
+            total += n
+        pin = device.type == "cuda"
+        self.host = torch.zeros(total, dtype=torch.long, pin_memory=pin)
+        self.dev = torch.zeros(total, dtype=torch.long, device=device)
+        self.copied: torch.cuda.Event | None = None
+
+    def view(self, name: str) -> Tensor:
+        off, n = self.offsets[name]
+        return self.dev[off : off + n]
+
+    def upload(self, values: list[int]) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy has read the staging buffer
+        self.host.copy_(torch.tensor(values, dtype=torch.long))
+        self.dev.copy_(self.host, non_blocking=True)
+        if self.dev.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+
+class _GridAttention:
+    """AttentionBackend for one grid step: writes each token's K/V, reads whole blocks, masks."""
+
+    def __init__(
+        self, groups: list[KVCacheGroup], layer_slots: dict[int, tuple[int, int]], shape: GridShape,
+        rows: list[Tensor], gathers: list[Tensor], masks: list[Tensor],
+    ) -> None:
+        self.layer_slots, self.shape = layer_slots, shape
+        self.caches = [g.tensor for g in groups]
+        self.flat = [t.view(-1, *t.shape[-2:]) for t in self.caches]
+        self.rows, self.gathers, self.masks = rows, gathers, masks
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        g, li = self.layer_slots[layer_idx]
+        flat, rows = self.flat[g], self.rows[g]
+        flat.index_copy_(0, rows[li, 0], k)
+        flat.index_copy_(0, rows[li, 1], v)
+        r, nq = self.shape.rows, self.shape.queries
+        cache = self.caches[g]
+        hkv, d = k.shape[1], k.shape[2]
+        rep = q.shape[1] // hkv
+        keys = cache[:, li, 0].index_select(0, self.gathers[g])  # [R * NB, bs, Hkv, D]
+        values = cache[:, li, 1].index_select(0, self.gathers[g])
+        # [R * Hkv, K, D], and the queries grouped under their KV head [R * Hkv, rep * Q, D]:
+        # no copies of K/V per query head, and two batched GEMMs instead of an attention
+        # kernel. With few queries per row the fused kernels parallelise badly (the masked
+        # memory-efficient one took 240 us per layer for 16 queries over 4096 keys on an H200).
+        keys = keys.view(r, -1, hkv, d).transpose(1, 2).reshape(r * hkv, -1, d)
+        values = values.view(r, -1, hkv, d).transpose(1, 2).reshape(r * hkv, -1, d)
+        qg = q.view(r, nq, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(r * hkv, rep * nq, d)
+        scores = _bmm_f32(qg, keys.transpose(1, 2)).mul_(d**-0.5).view(r, hkv, rep, nq, -1)
+        scores.masked_fill_(~self.masks[g][:, :, None], float("-inf"))  # mask [R, 1, Q, K]
+        # As flash attention does: float32 scores and softmax, probabilities in the KV dtype
+        # for the second GEMM, float32 accumulation.
+        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(r * hkv, rep * nq, -1)
+        out = _bmm_f32(probs, values).view(r, hkv, rep, nq, d)
+        return out.permute(0, 3, 1, 2, 4).reshape(r * nq, hkv * rep, d).to(q.dtype)
+
+
+def _bmm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """Batched GEMM with a float32 result (half inputs on CUDA: tensor cores, float32 output)."""
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b)
+    if a.is_cuda:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
+class StepGraphs:
+    """Runs eligible steps as grids; on CUDA through one captured graph per grid shape."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        groups: list[KVCacheGroup],
+        layer_slots: dict[int, tuple[int, int]],
+        device: torch.device,
+        capture: bool = True,
+        max_tokens: int = 512,
+        max_graphs: int = 32,
+        max_key_bytes: int = 1 << 30,
+    ) -> None:
+        self.model, self.groups, self.layer_slots, self.device = model, groups, layer_slots, device
+        self.capture = capture and device.type == "cuda"
+        self.max_tokens, self.max_graphs, self.max_key_bytes = max_tokens, max_graphs, max_key_bytes
+        self.block_size = groups[0].block_size
+        cfg = model.config
+        self._heads, self._kv_bytes_per_key = cfg.num_heads, 2 * cfg.num_kv_heads * cfg.head_dim * 4
+        # At least 64 keys per row, and a multiple of 64 (aligned GEMM shapes): every bucket
+        # is a power of two or a multiple of 64 blocks, so a power-of-two minimum keeps it so.
+        self._min_blocks = 64 // math.gcd(64, self.block_size)
+        self._graphs: OrderedDict[GridShape, tuple[torch.cuda.CUDAGraph, _Inputs, Tensor]] = OrderedDict()
+        self._eager: dict[GridShape, _Inputs] = {}
+        self._pool: Any = None  # torch.cuda graph pool handle, shared by every graph
+        self.steps = 0  # steps run as grids (replayed or eager)
+        self.captures = 0
+
+    def shape_for(self, rows: Sequence[GridRow]) -> GridShape | None:
+        """The grid that holds these requests, or None when the step is too large for one."""
+        if not rows:
+            return None
+        r = _pow2(len(rows))
+        q = _pow2(max(len(x.token_ids) for x in rows))
+        if r * q > self.max_tokens:
+            return None
+        bs = self.block_size
+        blocks = []
+        for group in self.groups:
+            window = group.spec.sliding_window
+            nb = max(-(-(x.start + len(x.token_ids)) // bs) - _first_block(x.start, window, bs) for x in rows)
+            nb = max(self._min_blocks, _blocks_bucket(nb))
+            # Transient per layer: float32 scores [R, Hq, Q, K] and float32 K and V.
+            if r * nb * bs * (self._heads * q * 4 + self._kv_bytes_per_key) > self.max_key_bytes:
+                return None
+            blocks.append(nb)
+        return GridShape(r, q, tuple(blocks))
+
+    def run(self, shape: GridShape, rows: Sequence[GridRow]) -> Tensor:
+        """float32 logits ``[shape.rows, vocab]``: row i is rows[i]'s last token (padding after)."""
+        values = self._values(shape, rows)
+        self.steps += 1
+        if not self.capture:
+            inputs = self._eager.get(shape)
+            if inputs is None:
+                inputs = self._eager[shape] = _Inputs(shape, self.device)
+            inputs.upload(values)
+            return self._forward(shape, inputs)
+        entry = self._graphs.get(shape)
+        if entry is not None:
+            self._graphs.move_to_end(shape)
+            graph, inputs, out = entry
+            inputs.upload(values)
+            graph.replay()
+            return out
+        inputs = _Inputs(shape, self.device)
+        inputs.upload(values)
+        graph, out = self._capture(shape, inputs)
+        self._graphs[shape] = (graph, inputs, out)
+        if len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        graph.replay()
+        return out
+
+    def _capture(self, shape: GridShape, inputs: _Inputs) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        # Warm-up passes on a side stream (lazy cuBLAS/kernel initialisation must not happen
+        # during capture); they write the same K/V as the replay, so they change nothing.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(shape, inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._forward(shape, inputs)
+        self.captures += 1
+        return graph, out
+
+    def _values(self, shape: GridShape, rows: Sequence[GridRow]) -> list[int]:
+        r, q, bs = shape.rows, shape.queries, self.block_size
+        pad = r - len(rows)
+        ids: list[int] = []
+        for x in rows:
+            ids.extend(x.token_ids)
+            ids.extend([0] * (q - len(x.token_ids)))
+        ids.extend([0] * (pad * q))
+        starts = [x.start for x in rows] + [0] * pad
+        counts = [len(x.token_ids) for x in rows] + [0] * pad
+        ends = [i * q + len(x.token_ids) - 1 for i, x in enumerate(rows)] + [0] * pad
+        values = ids + starts + counts + ends
+        for g, group in enumerate(self.groups):
+            nb = shape.blocks[g]
+            window = group.spec.sliding_window
+            firsts = [_first_block(x.start, window, bs) for x in rows]
+            values += [f * bs for f in firsts] + [0] * pad
+            for x, f in zip(rows, firsts, strict=True):
+                table = x.tables[group.spec.group_idx][f : f + nb]
+                values += table
+                values += [0] * (nb - len(table))
+            values += [0] * (pad * nb)
+        return values
+
+    def _forward(self, shape: GridShape, inputs: _Inputs) -> Tensor:
+        r, q, bs = shape.rows, shape.queries, self.block_size
+        dev = inputs.dev.device
+        ids, start, count = inputs.view("ids"), inputs.view("start"), inputs.view("count")
+        slot = torch.arange(q, device=dev)
+        q_pos = start[:, None] + slot[None, :]  # [R, Q]
+        q_valid = slot[None, :] < count[:, None]
+        rows, gathers, masks = [], [], []
+        for g, group in enumerate(self.groups):
+            nb, layers = shape.blocks[g], int(group.tensor.shape[1])
+            lo, gather = inputs.view(f"lo{g}"), inputs.view(f"gather{g}")
+            index = ((q_pos - lo[:, None]) // bs).clamp(0, nb - 1)
+            block = torch.where(q_valid, gather.view(r, nb).gather(1, index), 0)
+            base = (block * (layers * 2 * bs) + q_pos % bs).view(1, 1, -1)
+            per_layer = (torch.arange(layers, device=dev) * (2 * bs)).view(-1, 1, 1)
+            kv = (torch.arange(2, device=dev) * bs).view(1, 2, 1)  # no host tensors: capturable
+            rows.append(base + per_layer + kv)  # [L, 2, R * Q]
+            keys = torch.arange(nb * bs, device=dev)
+            kv_pos = lo[:, None, None] + keys[None, None, :]  # [R, 1, K]
+            allowed = kv_pos <= q_pos[:, :, None]
+            window = group.spec.sliding_window
+            if window is not None:
+                allowed &= kv_pos > q_pos[:, :, None] - window
+            masks.append(torch.where(q_valid[:, :, None], allowed, keys == 0)[:, None])  # [R, 1, Q, K]
+            gathers.append(gather)
+        attn = _GridAttention(self.groups, self.layer_slots, shape, rows, gathers, masks)
+        hidden = self.model(ids, q_pos.reshape(-1), attn)
+        return self.model.compute_logits(hidden[inputs.view("ends")]).float()
+
+
+def _blocks_bucket(n: int) -> int:
+    """Blocks per row, rounded up: to a power of two up to 64, then to a multiple of 64 (few
+    shapes to capture, and never 2x the keys to read for a long context)."""
+    return _pow2(n) if n <= 64 else -(-n // 64) * 64
+
+
+def _first_block(start: int, window: int | None, bs: int) -> int:
+    """First block any query at or after ``start`` can see (the window hides earlier ones)."""
+    return 0 if window is None else max(0, start - window + 1) // bs
