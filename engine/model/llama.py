@@ -31,11 +31,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in float32 like the reference, then scale in the model dtype.
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # Normalise in float32 like the reference, then scale in the model dtype (one fused
+        # kernel for the normalisation where torch has one).
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
@@ -73,12 +71,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=False)
+        self.qkv: tuple[Tensor, Tensor | None] | None = None
+        """After :func:`fuse_projections`: q, k and v weights (and biases) as one matrix."""
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv is not None:
+            qkv = F.linear(x, *self.qkv)
+            q = qkv[:, :nq].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, nq : nq + nkv].view(t, self.num_kv_heads, self.head_dim)
+            v = qkv[:, nq + nkv :].view(t, self.num_kv_heads, self.head_dim)
+        else:
+            q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = attn(self.layer_idx, q, k, v)
@@ -91,8 +98,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up: Tensor | None = None
+        """After :func:`fuse_projections`: gate and up weights as one matrix."""
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -145,6 +157,34 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)
+
+
+def fuse_projections(model: LlamaForCausalLM) -> None:
+    """One GEMM for q/k/v and one for gate/up per layer (fewer, larger kernels; what vLLM's
+    QKVParallelLinear and MergedColumnParallelLinear do). The original parameters become views
+    of the fused matrices, so names, ``state_dict`` and memory stay as they were."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            w, bias = _fuse(module.q_proj, module.k_proj, module.v_proj)
+            module.qkv = (w, bias)
+        elif isinstance(module, MLP):
+            module.gate_up, _ = _fuse(module.gate_proj, module.up_proj)
+
+
+def _fuse(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
+    """Concatenate the linears' weights (and biases, if all have one) and make each linear's
+    parameters views of the result."""
+    w = torch.cat([lin.weight for lin in linears]).detach()
+    biases = [lin.bias for lin in linears]
+    b = torch.cat([x for x in biases if x is not None]).detach() if all(x is not None for x in biases) else None
+    off = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(w[off : off + n], requires_grad=False)
+        if b is not None:
+            lin.bias = nn.Parameter(b[off : off + n], requires_grad=False)
+        off += n
+    return w, b
 
 
 class DenseCausalAttention:

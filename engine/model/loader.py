@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.model.config import ModelConfig, ModelConfigError, load_model_config
-from engine.model.llama import LlamaForCausalLM, rope_inv_freq
+from engine.model.llama import LlamaForCausalLM, fuse_projections, rope_inv_freq
 
 
 def load_model(
@@ -41,6 +41,7 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+    fuse_projections(model)
     return model.eval()
 
 

@@ -94,3 +94,23 @@ def test_sliding_window_changes_the_reference(hybrid_model: Path, tmp_path: Path
     torch.testing.assert_close(windowed[:, :32], unwindowed[:, :32], atol=1e-5, rtol=1e-5)
     assert (windowed[:, 40:] - unwindowed[:, 40:]).abs().max() > 1e-2
     torch.testing.assert_close(_dense(full, ids), unwindowed, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_projections_alias_the_checkpoint_weights(plain_model: Path) -> None:
+    """The loader fuses q/k/v and gate/up into one matrix each; the named parameters are views
+    of it (no second copy) and still hold exactly the checkpoint's tensors."""
+    from safetensors.torch import load_file
+
+    model = load_model(plain_model)
+    state = {}
+    for f in sorted(plain_model.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.qkv is not None and mlp.gate_up is not None
+    fused, _ = attn.qkv
+    assert attn.q_proj.weight.data_ptr() == fused.data_ptr()
+    assert attn.v_proj.weight.data_ptr() == fused[-attn.v_proj.weight.shape[0]:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up[mlp.gate_proj.weight.shape[0]:].data_ptr()
+    for name, value in model.state_dict().items():
+        if name in state:
+            assert torch.equal(value, state[name]), name
