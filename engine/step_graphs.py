@@ -222,7 +222,10 @@ class StepGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the offload connector's worker thread keeps issuing its own copies,
+        # event queries and host registrations meanwhile; in the default (global) mode any of
+        # them would invalidate this capture (found by the e2e GPU offload test).
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._forward(shape, inputs)
         self.captures += 1
         return graph, out
