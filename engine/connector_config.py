@@ -35,8 +35,10 @@ class OffloadConnectorConfig:
     """Look up and load CPU-tier prefixes on admission."""
     store: bool = True
     """Store newly full blocks after each step."""
-    lease_ms: int = 30_000
-    """Lifetime of pins and reservations at the daemon (0: the daemon's default)."""
+    lease_ms: int = 0
+    """Lifetime of pins and reservations at the daemon; 0 (default): the daemon's own
+    ``lease_ms``, so the operator of the node sets how long a dead engine's pins and
+    reservations outlive it."""
     timeout_s: float = 5.0
     """Deadline of each control RPC."""
     max_pending_store_bytes: int = 512 << 20
