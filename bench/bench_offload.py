@@ -184,6 +184,74 @@ def _profile(llm: Any, conn: Any, rng: random.Random, vocab: int, n: int, params
         prof.disable()
         print(f"--- profile: {name}")
         pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(r"engine|offloadd", 25)
+    if torch.cuda.is_available() and llm.engine.device.type == "cuda":
+        # The GPU's side of a CPU hit: copies, the step, and the gaps between them.
+        from torch.profiler import ProfilerActivity, profile
+
+        conn.flush()
+        llm.reset_prefix_cache()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+            llm.generate(prompt, params)
+            torch.cuda.synchronize()
+        print("--- torch profile: cpu_hit")
+        print(tp.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50))
+        events = sorted((e for e in tp.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+        if events:
+            t0 = events[0].time_range.start
+            print("--- CUDA timeline (us from the first GPU op): start, duration, name; gaps > 50 us marked")
+            prev_end = t0
+            for e in events:
+                gap = e.time_range.start - prev_end
+                mark = f"GAP {gap:.0f} " if gap > 50 else ""
+                if gap > 50 or e.time_range.elapsed_us() > 100:
+                    print(f"{e.time_range.start - t0:9.0f} {e.time_range.elapsed_us():8.0f} {mark}{e.name[:60]}")
+                prev_end = max(prev_end, e.time_range.end)
+            print(f"last GPU op ends at {prev_end - t0:.0f} us")
+
+
+def _breakdown(llm: Any, conn: Any, prompt: list[int], params: Any, reps: int = 5) -> dict[str, dict[str, float]]:
+    """Host wall time per engine stage of a GPU hit and a CPU hit (medians, ms), by timing
+    wrappers set on this engine's instances for the measurement (no profiler overhead)."""
+    e = llm.engine
+    targets = [(e, "prepare_prompt"), (e, "add_prepared"), (e, "step"), (e.kv, "find_prefix_hit"),
+               (e.kv, "allocate_for_admission"), (e.connector, "lookup"), (e.connector, "load"),
+               (e.runner, "execute"), (e.connector, "store"), (e, "_append_token"), (e, "_flush_events"),
+               (e.kv, "register_full_blocks"), (e.scheduler, "schedule")]
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return run
+
+    for obj, name in targets:
+        setattr(obj, name, timed(name, getattr(obj, name)))
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for kind in ("gpu_hit", "cpu_hit"):
+            rows: dict[str, list[float]] = {}
+            for _ in range(reps):
+                llm.generate(prompt, params)  # make sure the prompt is cached on the GPU
+                conn.flush()
+                if kind == "cpu_hit":
+                    llm.reset_prefix_cache()
+                spent.clear()
+                t0 = time.perf_counter()
+                llm.generate(prompt, params)
+                spent["generate"] = time.perf_counter() - t0
+                for k, v in spent.items():
+                    rows.setdefault(k, []).append(v * 1e3)
+            out[kind] = {k: statistics.median(v) for k, v in rows.items()}
+    finally:
+        for obj, name in targets:
+            delattr(obj, name)  # back to the class's method
+    print("--- host time per stage (ms, median): " + ", ".join(f"{k}: {json.dumps({n: round(v, 3) for n, v in sorted(d.items(), key=lambda x: -x[1])})}" for k, d in out.items()))
+    return out
 
 
 def _decode_step(llm: Any, prompt: list[int], reps: int = 3) -> float:
@@ -256,6 +324,7 @@ def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir:
         llm.generate(prompt, params)
         conn.flush()
         decode_s = _decode_step(llm, prompt)
+        stages = _breakdown(llm, conn, prompt, params)
         if profile:
             _profile(llm, conn, rng, vocab, prompt_len, params)
         med = {k: statistics.median(v) for k, v in times.items()}
@@ -265,7 +334,7 @@ def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir:
                                       iters=iters, kv_bytes=kv_bytes, eager=graphs is None,
                                       graph_steps=graphs.steps if graphs else 0,
                                       graph_captures=graphs.captures if graphs else 0,
-                                      decode_step_ms=decode_s * 1e3,
+                                      decode_step_ms=decode_s * 1e3, host_stages_ms=stages,
                                       **{f"{k}_ms": v * 1e3 for k, v in med.items()},
                                       cold_over_cpu_hit=med["cold"] / med["cpu_hit"],
                                       cpu_hit_wins=sum(c > h for c, h in zip(times["cold"], times["cpu_hit"], strict=True)),
