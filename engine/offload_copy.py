@@ -189,6 +189,10 @@ class ArenaBlocks:
 
     def _index(self, values: Sequence[int] | Tensor, device: torch.device) -> Tensor:
         t = values if isinstance(values, Tensor) else torch.tensor(list(values), dtype=torch.long)
+        if device.type == "cuda" and not t.is_cuda:
+            # From pinned memory: a copy from pageable memory may wait for the stream's earlier
+            # work (here: the DMA of the whole load), stalling the thread that issues the step.
+            t = t.pin_memory()
         return t.to(device, non_blocking=True)
 
     # -- store: KV tensor -> staging (in stream order), staging -> slots (anywhere later) ---
