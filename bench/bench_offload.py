@@ -255,19 +255,32 @@ def _breakdown(llm: Any, conn: Any, prompt: list[int], params: Any, reps: int = 
 
 
 def _decode_step(llm: Any, prompt: list[int], reps: int = 3) -> float:
-    """Seconds of one decode step at batch 1 after this prompt: (16 more tokens - 1 token) / 16,
-    both GPU hits of the same prompt (medians)."""
+    """Seconds of one decode step at batch 1 after this prompt: the median wall time of the
+    engine's decode steps in ``reps`` generations of 17 tokens (GPU hits of the same prompt;
+    each step ends with its token on the host)."""
     from engine.sampling import SamplingParams
 
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     more = SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True)
-    t: dict[int, list[float]] = {1: [], 17: []}
-    for _ in range(reps):
-        for n, params in ((1, one), (17, more)):
-            t0 = time.perf_counter()
-            llm.generate(prompt, params)
-            t[n].append(time.perf_counter() - t0)
-    return (statistics.median(t[17]) - statistics.median(t[1])) / 16
+    e = llm.engine
+    step, steps = e.step, []
+
+    def timed() -> Any:
+        t0 = time.perf_counter()
+        try:
+            return step()
+        finally:
+            steps.append(time.perf_counter() - t0)
+
+    e.step = timed
+    try:
+        decodes: list[float] = []
+        for _ in range(reps):
+            steps.clear()
+            llm.generate(prompt, more)
+            decodes += steps[1:]  # the first step is the prompt's (a GPU hit)
+    finally:
+        del e.step
+    return statistics.median(decodes)
 
 
 def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir: Path,
