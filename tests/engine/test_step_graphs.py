@@ -13,29 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from engine.llm import LLM
-from engine.request import RequestOutput
-from engine.sampling import SamplingParams
 from engine.step_graphs import GridRow, GridShape, StepGraphs
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, return_logits=True)
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _check(hf: Any, outputs: list[RequestOutput]) -> None:
-    for out in outputs:
-        gen = out.outputs[0]
-        assert gen.logits is not None and len(gen.logits) == len(gen.token_ids) == 6
-        with torch.no_grad():
-            ref = hf(torch.tensor([out.prompt_token_ids + gen.token_ids])).logits[0]
-        p = len(out.prompt_token_ids)
-        torch.testing.assert_close(torch.stack(gen.logits), ref[p - 1 : p - 1 + 6], atol=1e-4, rtol=1e-4)
+from tests.engine.hf_reference import GREEDY, check_logits, prompt_ids
 
 
 def _with_grid(llm: LLM, max_tokens: int = 512) -> StepGraphs:
@@ -45,48 +26,42 @@ def _with_grid(llm: LLM, max_tokens: int = 512) -> StepGraphs:
     return graphs
 
 
-@pytest.fixture(scope="module", params=["plain", "hybrid"])
-def model(request: pytest.FixtureRequest) -> tuple[Path, Any]:
-    path: Path = request.getfixturevalue(f"{request.param}_model")
-    return path, AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
 @pytest.mark.parametrize("block_size", [16, 24])
-def test_chunks_hits_and_decodes_as_grids(model: tuple[Path, Any], block_size: int) -> None:
-    path, hf = model
+def test_chunks_hits_and_decodes_as_grids(model_and_hf: tuple[Path, Any], block_size: int) -> None:
+    path, hf = model_and_hf
     llm = LLM(str(path), max_num_batched_tokens=40, block_size=block_size)
     graphs = _with_grid(llm)
-    prompt = _prompt(5, 130)
+    prompt = prompt_ids(5, 130)
     first = llm.generate([prompt], GREEDY)  # chunks of 40 (Q = 64), then 5 decodes (Q = 1)
     again = llm.generate([prompt], GREEDY)  # prefix hit: the rest as one small grid, decodes
     hit = (129 // block_size) * block_size
     assert [first[0].num_cached_tokens, again[0].num_cached_tokens] == [0, hit]
     assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
     assert graphs.steps == 4 + 5 + 1 + 5  # every step of both requests ran as a grid
-    _check(hf, first + again)
+    check_logits(hf, first + again)
 
 
-def test_unequal_batch_pads_rows_and_queries(model: tuple[Path, Any]) -> None:
-    path, hf = model
+def test_unequal_batch_pads_rows_and_queries(model_and_hf: tuple[Path, Any]) -> None:
+    path, hf = model_and_hf
     llm = LLM(str(path), max_num_batched_tokens=256)
     graphs = _with_grid(llm)
-    base = _prompt(6, 75)
+    base = prompt_ids(6, 75)
     llm.generate([base], GREEDY)  # 75 tokens: Q = 128
     steps = graphs.steps
     # Three requests (R = 4, one padding row): a hit, a fresh one, a partial hit; then decodes.
-    outs = llm.generate([base, _prompt(7, 9), [*base[:40], 1, 2, 3]], GREEDY)
+    outs = llm.generate([base, prompt_ids(7, 9), [*base[:40], 1, 2, 3]], GREEDY)
     assert [o.num_cached_tokens for o in outs] == [64, 0, 32]
     assert graphs.steps - steps == 6
-    _check(hf, outs)
+    check_logits(hf, outs)
 
 
-def test_too_large_a_step_runs_eagerly(model: tuple[Path, Any]) -> None:
-    path, hf = model
+def test_too_large_a_step_runs_eagerly(model_and_hf: tuple[Path, Any]) -> None:
+    path, hf = model_and_hf
     llm = LLM(str(path), max_num_batched_tokens=256)
     graphs = _with_grid(llm, max_tokens=64)
-    outs = llm.generate([_prompt(8, 100)], GREEDY)  # prefill Q = 128 > 64: eager; decodes: grid
+    outs = llm.generate([prompt_ids(8, 100)], GREEDY)  # prefill Q = 128 > 64: eager; decodes: grid
     assert graphs.steps == 5
-    _check(hf, outs)
+    check_logits(hf, outs)
 
 
 def test_grid_shapes_round_up_to_powers_of_two(plain_model: Path) -> None:
