@@ -178,7 +178,8 @@ class StepGraphs:
             window = group.spec.sliding_window
             nb = max(-(-(x.start + len(x.token_ids)) // bs) - _first_block(x.start, window, bs) for x in rows)
             nb = max(self._min_blocks, _blocks_bucket(nb))
-            # Transient per layer: float32 scores [R, Hq, Q, K] and float32 K and V.
+            # Transient per layer: float32 scores [R, Hq, Q, K] and the gathered K and V
+            # (counted at 4 bytes an element, an upper bound).
             if r * nb * bs * (self._heads * q * 4 + self._kv_bytes_per_key) > self.max_key_bytes:
                 return None
             blocks.append(nb)
