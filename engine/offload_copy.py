@@ -39,7 +39,6 @@ from engine.offload_cuda import (
     find_cuda_batch_memcpy,
     find_cuda_memcpy,
     loaded_cudart,
-    pair_runs,
 )
 from offloadd.client import ArenaGeometry, ArenaMapping, GroupArenaInfo
 
@@ -55,22 +54,9 @@ class _Batch:
     positions: Tensor | None
 
 
-def _runs(sorted_slots: Tensor) -> list[tuple[int, int, int]]:
-    """:func:`slot_runs` of an ascending tensor, with vector ops."""
-    first, pos, length = pair_runs(sorted_slots, torch.arange(len(sorted_slots)))
-    return list(zip(pos.tolist(), first.tolist(), length.tolist(), strict=True))
-
-
-def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(first position, first slot, length)`` of each run of consecutive slots, in order."""
-    runs: list[tuple[int, int, int]] = []
-    for pos, slot in enumerate(slots):
-        if runs and runs[-1][1] + runs[-1][2] == slot:
-            p, s, n = runs[-1]
-            runs[-1] = (p, s, n + 1)
-        else:
-            runs.append((pos, slot, 1))
-    return runs
+def _num_runs(sorted_slots: Tensor) -> int:
+    """How many runs of consecutive slots an ascending tensor holds."""
+    return int((sorted_slots.diff() != 1).sum()) + 1 if len(sorted_slots) else 0
 
 
 class ArenaBlocks:
@@ -307,7 +293,7 @@ class ArenaBlocks:
             return round(self.dma_share * n)
         if self._memcpy is None:
             return 0
-        return n if len(_runs(sorted_local)) * 4 <= n else round(self.dma_share * n)
+        return n if _num_runs(sorted_local) * 4 <= n else round(self.dma_share * n)
 
     def close(self) -> None:
         self._dev.clear()

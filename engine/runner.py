@@ -157,10 +157,7 @@ class _Upload:
 
 
 def _new_token_ids(s: ScheduledRequest) -> list[int]:
-    r, end = s.request, s.start + s.num_new_tokens
-    if end <= len(r.prompt_token_ids):
-        return r.prompt_token_ids[s.start : end]
-    return r.all_token_ids[s.start : end]
+    return s.request.token_ids(s.start, s.start + s.num_new_tokens)
 
 
 class ModelRunner:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.connector_config import COPY_MODES
-from engine.offload_copy import ArenaBlocks, slot_runs
+from engine.offload_copy import ArenaBlocks
 from engine.offload_cuda import pair_runs
 from offloadd.arena import ArenaGeometry, ArenaMapping, create_chunk_file
 
@@ -56,11 +56,6 @@ def test_bad_input_is_refused(arena: ArenaBlocks, tmp_path: Path) -> None:
         arena.read(kv, [1, 2], [0])
     with pytest.raises(ValueError, match="arena slot is"):
         ArenaBlocks(arena.mapping, (1, 2, 3), torch.float32, torch.device("cpu"))
-
-
-def test_slot_runs() -> None:
-    assert slot_runs([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
-    assert slot_runs([]) == []
 
 
 def test_pair_runs_break_where_either_side_jumps() -> None:

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import grp
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.security.pki import Pki, make_pki
 from tests.support.offloadd_proc import DaemonProcess
@@ -24,22 +21,9 @@ WRONG_TOKEN = "s3cr3t-token-" + "y" * 20
 class SecureDaemon(DaemonProcess):
     """DaemonProcess that waits for SERVING on the plaintext unix socket."""
 
-    def wait_serving(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(f"unix:{self.unix_socket}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                assert self.proc is not None
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"offloadd exited with {self.proc.returncode}:\n{self.log_tail()}")
-                try:
-                    resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.05)
-        raise RuntimeError(f"offloadd not serving within {timeout_s}s:\n{self.log_tail()}")
+    @property
+    def health_target(self) -> str:
+        return f"unix:{self.unix_socket}"
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ from typing import Any
 from events.logkeys import LogKeys
 from events.records import RECORD_FIELD, encode_record, entry_id
 from events.schema import BlockRemoved, BlockStored, Event, LogRecord
+from tests.support.offloadd_proc import stop_process
 from tests.support.redis_proc import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -103,14 +104,7 @@ class BridgeProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self, kill: bool = False, timeout_s: float = 10.0) -> int:
-        if self.proc is None:
-            return 0
-        self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
+        code = stop_process(self.proc, signal.SIGKILL if kill else signal.SIGTERM, timeout_s)
         self.proc = None
         return code
 

@@ -18,6 +18,18 @@ from tests.support.redis_proc import free_port
 REPO = Path(__file__).resolve().parents[2]
 
 
+def stop_process(proc: subprocess.Popen[bytes] | None, sig: int, timeout_s: float) -> int:
+    """Send ``sig``, wait up to ``timeout_s``, then kill -9; the exit code (0 if not running)."""
+    if proc is None:
+        return 0
+    proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
 class DaemonProcess:
     """``python -m offloadd`` with an arena dir under the test's tmp dir (never /dev/shm)."""
 
@@ -52,6 +64,11 @@ class DaemonProcess:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def health_target(self) -> str:
+        """Where readiness is probed (plaintext); TLS-only daemons probe their unix socket."""
+        return self.target
+
     def start(self, timeout_s: float = 20.0) -> None:
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
@@ -60,7 +77,7 @@ class DaemonProcess:
 
     def wait_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.target) as channel:
+        with grpc.insecure_channel(self.health_target) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 assert self.proc is not None
@@ -85,14 +102,7 @@ class DaemonProcess:
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """SIGTERM and wait; returns the exit code."""
-        if self.proc is None:
-            return 0
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
+        code = stop_process(self.proc, signal.SIGTERM, timeout_s)
         self.proc = None
         return code
 
