@@ -216,7 +216,9 @@ def _breakdown(llm: Any, conn: Any, prompt: list[int], params: Any, reps: int = 
     e = llm.engine
     targets = [(e, "prepare_prompt"), (e, "add_prepared"), (e, "step"), (e.kv, "find_prefix_hit"),
                (e.kv, "allocate_for_admission"), (e.connector, "lookup"), (e.connector, "load"),
-               (e.runner, "execute"), (e.connector, "store"), (e, "_append_token"), (e, "_flush_events"),
+               (e.connector.client, "lookup"),
+               (e.runner, "execute"), (e.connector, "store"), (e.connector, "take_layer_waits"),
+               (e, "_append_token"), (e, "_flush_events"),
                (e.kv, "register_full_blocks"), (e.scheduler, "schedule")]
     spent: dict[str, float] = {}
 
@@ -230,7 +232,8 @@ def _breakdown(llm: Any, conn: Any, prompt: list[int], params: Any, reps: int = 
         return run
 
     for obj, name in targets:
-        setattr(obj, name, timed(name, getattr(obj, name)))
+        label = f"{name}_rpc" if obj is e.connector.client else name
+        setattr(obj, name, timed(label, getattr(obj, name)))
     out: dict[str, dict[str, float]] = {}
     try:
         for kind in ("gpu_hit", "cpu_hit"):
@@ -284,7 +287,8 @@ def _decode_step(llm: Any, prompt: list[int], reps: int = 3) -> float:
 
 
 def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir: Path,
-         limit_load_GBps: float | None, profile: bool = False, eager: bool = False) -> dict[str, Any]:
+         limit_load_GBps: float | None, profile: bool = False, eager: bool = False,
+         layerwise: bool = True) -> dict[str, Any]:
     from engine.connector import OffloadingConnector
     from engine.connector_config import OffloadConnectorConfig
     from engine.llm import LLM
@@ -304,7 +308,7 @@ def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir:
     daemon.args[daemon.args.index("--arena-dir") + 1] = str(daemon.arena_dir)
     daemon.start()
     try:
-        conn = OffloadingConnector(OffloadConnectorConfig(daemon.target, "bench-0", model))
+        conn = OffloadingConnector(OffloadConnectorConfig(daemon.target, "bench-0", model, layerwise=layerwise))
         dtype = "bfloat16" if device.type == "cuda" else "float32"
         llm = LLM(str(model_dir), connector=conn, device=str(device), dtype=dtype,
                   num_gpu_blocks=prompt_len // 16 * 2 + 16, max_num_batched_tokens=prompt_len + 64,
@@ -344,7 +348,7 @@ def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir:
         graphs = llm.engine.runner.graphs
         kv_bytes = kv_token_bytes * prompt_len
         result: dict[str, Any] = dict(model=model, device=str(device), prompt_len=prompt_len,
-                                      iters=iters, kv_bytes=kv_bytes, eager=graphs is None,
+                                      iters=iters, kv_bytes=kv_bytes, eager=graphs is None, layerwise=layerwise,
                                       graph_steps=graphs.steps if graphs else 0,
                                       graph_captures=graphs.captures if graphs else 0,
                                       decode_step_ms=decode_s * 1e3, host_stages_ms=stages,
@@ -378,7 +382,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="cProfile one GPU hit and one CPU hit")
     p.add_argument("--engines", default="graphs",
                    help="ttft: comma-separated engine modes, run one after the other: graphs (default: small "
-                        "steps replay CUDA graphs), eager (enforce_eager)")
+                        "steps replay CUDA graphs), eager (enforce_eager); a -whole suffix turns the "
+                        "layer-by-layer load off (the copy completes before the step)")
     p.add_argument("--limit-load-gbps", type=float, default=None,
                    help="pinned load limit for the TTFT bound when `bandwidth` is not run")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -414,10 +419,11 @@ def main() -> None:
         plen = a.prompt_len or (4096 if device.type == "cuda" else 1024)
         results["ttft"] = []
         for m, mode in [(m, e) for m in models for e in a.engines.split(",")]:
-            if mode not in ("graphs", "eager"):
-                p.error(f"--engines: unknown mode {mode!r} (graphs, eager)")
+            if mode.removesuffix("-whole") not in ("graphs", "eager"):
+                p.error(f"--engines: unknown mode {mode!r} (graphs, eager, graphs-whole, eager-whole)")
             with tempfile.TemporaryDirectory() as tmp:
-                r = ttft(device, m, plen, a.iters, Path(tmp), limit, a.profile, eager=mode == "eager")
+                r = ttft(device, m, plen, a.iters, Path(tmp), limit, a.profile,
+                         eager=mode.startswith("eager"), layerwise=not mode.endswith("-whole"))
             results["ttft"].append(r)
             print(f"{m} [{mode}, {r['graph_steps']} grid steps, {r['graph_captures']} captures]: prompt {plen}  cold {r['cold_ms']:.1f} ms  GPU hit {r['gpu_hit_ms']:.1f} ms  "
                   f"CPU hit {r['cpu_hit_ms']:.1f} ms  cold/CPU-hit {r['cold_over_cpu_hit']:.1f}x  "

@@ -5,8 +5,11 @@
   and handed to :class:`engine.offload_worker.OffloadWorker`, which reserves slots, copies the
   snapshot into the arena (a side stream on CUDA) and commits, which logs ``BlockStored(CPU)``.
 - **Load**: on admission, after the GPU prefix hit, the longest prefix that is ready in the host
-  tier is pinned under a lease (``lookup``), scattered into the freshly allocated blocks with one
-  copy per group (``load``, on the compute stream) and released once the copy completed. A
+  tier is pinned under a lease (``lookup``), copied into the freshly allocated blocks (``load``)
+  and released once the copy completed. By default the copy runs layer by layer on a load
+  stream and the step waits for each layer right before computing it
+  (``take_layer_waits``, engine.offload_layerwise), so the copy overlaps the step; with
+  ``layerwise`` off it is one copy per group on the compute stream, before the step. A
   hybrid model needs every full-attention block of the prefix and, of the sliding-window group,
   only the blocks that cover the window at its end (engine.offload_lookup).
 - The offloaded block may be a multiple of the engine block (``block_size_multiple``,
@@ -32,6 +35,7 @@ from engine.connector_config import OffloadConnectorConfig
 from engine.kv_cache import KVCacheGroup
 from engine.offload import NewBlocks
 from engine.offload_copy import ArenaBlocks
+from engine.offload_layerwise import GroupLoad, LayerLoader, LayerLoads
 from engine.offload_lookup import GroupHitInput, hit_length, lookup_keys
 from engine.offload_metrics import OffloadMetrics
 from engine.offload_store import StoreBatcher
@@ -91,6 +95,9 @@ class OffloadingConnector:
         """Digests loaded this step: the engine reports them as new blocks; no need to store."""
         self._loaded_leases: list[tuple[str, torch.cuda.Event | None, tuple[torch.cuda.Event, torch.cuda.Event] | None]] = []
         """Leases of this step's loads, released (once their copies completed) after the step."""
+        self._loader: LayerLoader | None = None
+        self._layer_loads: LayerLoads | None = None
+        """This step's layer-by-layer loads (``layerwise``): the step waits on them per layer."""
 
     # -- registration -------------------------------------------------------------------
 
@@ -99,6 +106,9 @@ class OffloadingConnector:
         if not self.config.enabled or not self.groups:
             return
         device = self.groups[0].tensor.device
+        if self.config.layerwise:
+            self._loader = LayerLoader(device)
+            self._layer_loads = LayerLoads(device)
         self.worker = OffloadWorker(
             self.client, self.config.engine_id, self.config.lease_ms, self.metrics,
             self._mark_unregistered, device,
@@ -205,12 +215,11 @@ class OffloadingConnector:
         cuda = self.groups[0].tensor.device.type == "cuda"
         timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
         t0 = time.perf_counter()
-        if timing is not None:
-            timing[0].record()
         nbytes = 0
         try:
             k, base = self.k, pinned.first_block
             positions = [pinned.num_gpu_hit + i - base for i in range(n)]
+            plan: list[GroupLoad] = []
             for g in self.groups:
                 gi = g.spec.group_idx
                 slots = pinned.slots[gi]
@@ -219,23 +228,48 @@ class OffloadingConnector:
                          if b != NULL_BLOCK_ID]
                 if any(slots[p // k] < 0 for _, p in pairs):
                     raise RuntimeError(f"group {gi}: asked to load a block the lookup did not find")
-                self.arenas[gi].read(g.tensor, [b for b, _ in pairs],
-                                     [slots[p // k] * k + p % k for _, p in pairs])
+                plan.append(GroupLoad(gi, self.arenas[gi], g.tensor, [b for b, _ in pairs],
+                                      [slots[p // k] * k + p % k for _, p in pairs]))
                 nbytes += len(pairs) * g.block_bytes
+            done = self._issue(plan, timing)
         except Exception:
             self._release_later(pinned.lease_id, None)
             raise
-        done = None
-        if timing is not None:
-            timing[1].record()
-            done = timing[1]
-        else:
+        if timing is None and self._loader is None:
             self.metrics.add(load_copy_seconds=time.perf_counter() - t0)
         self.metrics.add(blocks_loaded=n, bytes_loaded=nbytes, cpu_hit_tokens=n * self._block_size())
         self._just_loaded.update(digests)
         # Released from store(), after the step: waking the worker now would have it share the
         # GIL with this thread while the step is being launched.
         self._loaded_leases.append((pinned.lease_id, done, timing))
+
+    def _issue(self, plan: list[GroupLoad],
+               timing: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> torch.cuda.Event | None:
+        """Start the copies; on CUDA, return the event after the last one (timing events too)."""
+        if self._loader is not None and self._layer_loads is not None:
+            return self._loader.load(plan, self._layer_loads, timing)
+        if timing is not None:
+            timing[0].record()
+        for x in plan:
+            self.arenas[x.group_idx].read(x.kv, x.block_ids, x.slots)
+        if timing is None:
+            return None
+        timing[1].record()
+        return timing[1]
+
+    def take_layer_waits(self) -> LayerLoads | None:
+        """This step's loads still in flight, layer by layer (None: all complete in stream order)."""
+        loads = self._layer_loads
+        return None if loads is None or loads.empty else loads
+
+    def _finish_loads(self) -> None:
+        """After the step: every load complete in stream order, CPU copy time counted."""
+        if self._layer_loads is None:
+            return
+        self._layer_loads.finish()
+        if self._layer_loads.copy_seconds:
+            self.metrics.add(load_copy_seconds=self._layer_loads.copy_seconds)
+            self._layer_loads.copy_seconds = 0.0
 
     def request_finished(self, request_id: str) -> None:
         self._unpin(request_id)
@@ -262,6 +296,7 @@ class OffloadingConnector:
     # -- store --------------------------------------------------------------------------
 
     def store(self, new_blocks: Sequence[NewBlocks]) -> None:
+        self._finish_loads()
         self._release_loaded()
         skip, self._just_loaded = self._just_loaded, set()
         if not new_blocks or not self.config.store or not self._active():
@@ -315,6 +350,7 @@ class OffloadingConnector:
         return self.worker.wait_idle(timeout_s) if self.worker is not None else True
 
     def close(self) -> None:
+        self._finish_loads()
         self._release_loaded()
         for request_id in list(self._pinned):
             self._unpin(request_id)

@@ -51,6 +51,9 @@ class OffloadConnectorConfig:
     ``memcpy``); ``mixed`` moves 3/4 of the blocks by DMA (``batch`` when available) while the
     kernel moves the rest concurrently; ``auto`` picks per copy: DMA alone when the slots come in
     runs of several blocks, else ``mixed`` (engine.offload_copy)."""
+    layerwise: bool = True
+    """Load a CPU-tier hit layer by layer while the step computes the layers already loaded
+    (engine.offload_layerwise); off: the whole copy completes before the step starts."""
     retry_register_s: float = 5.0
     """After the daemon was unreachable, how long to wait before registering again."""
 

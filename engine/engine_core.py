@@ -162,7 +162,11 @@ class EngineCore:
             i for i, s in enumerate(out.scheduled)
             if s.start + s.num_new_tokens == s.request.num_tokens
         ]
-        logits = self.runner.execute(out, sample_rows)
+        try:
+            logits = self.runner.execute(out, sample_rows, self.connector.take_layer_waits())
+        except BaseException:
+            self.connector.store([])  # completes the step's loads and releases their pins
+            raise
         new_blocks = []
         for s in out.scheduled:
             s.request.num_computed_tokens = s.start + s.num_new_tokens

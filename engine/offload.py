@@ -1,8 +1,9 @@
 """Hook points for an offload connector (a second KV tier), and the null connector.
 
 The scheduler calls ``lookup``/``load`` on admission, after the GPU prefix-cache hit; the engine
-calls ``store`` after every step with the blocks that became full and got their hash in it, and
-``request_finished`` when a request leaves. The real connector (engine/connector.py) talks to
+takes the loads still in flight (``take_layer_waits``) and runs the step waiting for each layer's
+load right before that layer, then calls ``store`` with the blocks that became full and got their
+hash in the step, and ``request_finished`` when a request leaves. The real connector (engine/connector.py) talks to
 offloadd; the engine core only knows this protocol.
 """
 
@@ -33,6 +34,15 @@ class NewBlocks:
     """The ``block_size`` token ids of each block (a second tier logs them with the block)."""
 
 
+class LayerWaits(Protocol):
+    """Loads in flight while a step runs, completed layer by layer."""
+
+    def wait_layer(self, group_idx: int, layer: int) -> None:
+        """Make the step's next work see layer ``layer`` (of group ``group_idx``'s tensor) of
+        every loaded block in place: called before the step reads or writes that layer."""
+        ...
+
+
 class OffloadConnector(Protocol):
     def register_kv_caches(self, groups: Sequence[KVCacheGroup]) -> None:
         """Called once at engine start with every group's tensor, block_bytes, dtype and layout."""
@@ -48,11 +58,18 @@ class OffloadConnector(Protocol):
         self, request_id: str, digests: Sequence[bytes], block_ids: Mapping[int, Sequence[int]]
     ) -> None:
         """Copy the KV of ``digests`` into the freshly allocated GPU blocks ``block_ids[group]``
-        (aligned with ``digests``) before the step runs. Must complete (or raise) synchronously."""
+        (aligned with ``digests``). Raises before copying anything on bad input. The copy is
+        complete before the step, or completes layer by layer (``take_layer_waits``)."""
+        ...
+
+    def take_layer_waits(self) -> LayerWaits | None:
+        """Right before the step: the loads it must wait for per layer, or None when every load
+        is already complete in stream order. Whatever the step did, ``store`` completes them."""
         ...
 
     def store(self, new_blocks: Sequence[NewBlocks]) -> None:
-        """After a step: blocks that became full and hashed in it. Must not block generation."""
+        """After a step: blocks that became full and hashed in it. Must not block generation.
+        Called after every step that ran, first of all completing its loads (stream order)."""
         ...
 
     def request_finished(self, request_id: str) -> None:
@@ -73,6 +90,9 @@ class NullConnector:
         self, request_id: str, digests: Sequence[bytes], block_ids: Mapping[int, Sequence[int]]
     ) -> None:
         pass
+
+    def take_layer_waits(self) -> LayerWaits | None:
+        return None
 
     def store(self, new_blocks: Sequence[NewBlocks]) -> None:
         pass

@@ -173,6 +173,15 @@ class ArenaBlocks:
             out.append(_Batch(int(c), s[pos] - int(c) * spc, pos))
         return out
 
+    def chunk_is_pageable(self, chunk: int) -> bool:
+        """True when the chunk could not be registered with CUDA (copies go at pageable speed)."""
+        self.host_chunk(chunk)
+        return chunk in self._pageable
+
+    def index(self, values: Sequence[int] | Tensor, device: torch.device) -> Tensor:
+        """An int64 index tensor on ``device`` (from pinned memory on CUDA)."""
+        return self._index(values, device)
+
     def _index(self, values: Sequence[int] | Tensor, device: torch.device) -> Tensor:
         t = values if isinstance(values, Tensor) else torch.tensor(list(values), dtype=torch.long)
         if device.type == "cuda" and not t.is_cuda:

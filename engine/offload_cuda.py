@@ -77,6 +77,19 @@ def find_cuda_memcpy(lib: ctypes.CDLL | None = None) -> Any | None:
     return fn
 
 
+def find_cuda_memcpy_2d(lib: ctypes.CDLL | None = None) -> Any | None:
+    """``cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream)`` of the loaded
+    libcudart (torch's), or None: ``height`` rows of ``width`` bytes, pitched on each side."""
+    lib = lib if lib is not None else loaded_cudart()
+    fn = getattr(lib, "cudaMemcpy2DAsync", None) if lib is not None else None
+    if fn is None:
+        return None
+    size = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_void_p, size, ctypes.c_void_p, size, size, size, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def runtime_version(lib: ctypes.CDLL) -> int:
     """``cudaRuntimeGetVersion`` (e.g. 12080, 13000), or 0 when it cannot be asked."""
     fn = getattr(lib, "cudaRuntimeGetVersion", None)

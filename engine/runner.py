@@ -21,6 +21,7 @@ when the runner has one: a padded grid replayed as a CUDA graph (one launch, not
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from torch.nn.attention.bias import causal_lower_right
 from engine.kv_cache import KVCacheGroup
 from engine.kv_manager import KVCacheManager
 from engine.model.llama import LlamaForCausalLM
+from engine.offload import LayerWaits
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_graphs import GridRow, StepGraphs
 
@@ -60,13 +62,16 @@ class PagedInputs:
 class PagedAttention:
     """AttentionBackend over the paged cache for one step."""
 
-    def __init__(self, groups: list[KVCacheGroup], layer_slots: dict[int, tuple[int, int]], steps: list[GroupStep]) -> None:
-        self.layer_slots, self.steps = layer_slots, steps
+    def __init__(self, groups: list[KVCacheGroup], layer_slots: dict[int, tuple[int, int]], steps: list[GroupStep],
+                 wait: Callable[[int], None] | None = None) -> None:
+        self.layer_slots, self.steps, self.wait = layer_slots, steps, wait
         self.caches = [g.tensor for g in groups]
         # Row view [blocks * layers * 2 * block_size, heads, dim] for the writes.
         self.flat = [t.view(-1, *t.shape[-2:]) for t in self.caches]
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.wait is not None:
+            self.wait(layer_idx)  # this layer's loads are in place before it is read or written
         g, li = self.layer_slots[layer_idx]
         st = self.steps[g]
         flat = self.flat[g]
@@ -177,15 +182,24 @@ class ModelRunner:
         # memory-efficient kernel's mask, and few shapes.
         self._blocks_multiple = 64 // math.gcd(64, self.block_size)
 
+    def _layer_wait(self, waits: LayerWaits | None) -> Callable[[int], None] | None:
+        """``wait(layer_idx)`` over model layers, from the connector's per-group waits."""
+        if waits is None:
+            return None
+        where = {layer: (self.groups[g].spec.group_idx, li) for layer, (g, li) in self.layer_slots.items()}
+        return lambda layer: waits.wait_layer(*where[layer])
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, sample_rows: list[int]) -> Tensor:
-        """Run the step; return float32 logits for the scheduled entries in ``sample_rows``."""
+    def execute(self, out: SchedulerOutput, sample_rows: list[int], waits: LayerWaits | None = None) -> Tensor:
+        """Run the step; return float32 logits for the scheduled entries in ``sample_rows``.
+        ``waits``: loads still in flight; each layer waits for its own before it runs."""
         sched = out.scheduled
+        wait = self._layer_wait(waits)
         if self.graphs is not None:
             grid = [GridRow(_new_token_ids(s), s.start, self.kv.block_table(s.request.request_id)) for s in sched]
             shape = self.graphs.shape_for(grid)
             if shape is not None:
-                logits = self.graphs.run(shape, grid)
+                logits = self.graphs.run(shape, grid, wait)
                 if sample_rows == list(range(len(sample_rows))):
                     return logits[: len(sample_rows)]
                 return logits[torch.tensor(sample_rows, device=logits.device)]
@@ -223,7 +237,7 @@ class ModelRunner:
             plans.append((i_rows, spans, paged))
         dev = up.send()
         steps = [GroupStep(dev[i_rows], spans, self._finish_paged(dev, paged)) for i_rows, spans, paged in plans]
-        attn = PagedAttention(self.groups, self.layer_slots, steps)
+        attn = PagedAttention(self.groups, self.layer_slots, steps, wait)
         hidden = self.model(dev[i_ids], dev[i_pos], attn)
         return self.model.compute_logits(hidden[dev[i_ends]]).float()
 

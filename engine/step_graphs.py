@@ -15,17 +15,23 @@ the null block holds finite values only) and attends to one key so softmax stays
 outputs are dropped.
 
 Capture is lazy, per shape, on the step's own inputs: the warm-up passes write the same K/V
-to the same rows as the replay will, so they change nothing. The least recently used graph is
+to the same rows as the replay will, so they change nothing. The least recently used shape is
 dropped past ``max_graphs``. ``capture=False`` runs the same grid eagerly (CPU tests of the
 layout; the CUDA tests check capture and replay against it).
+
+A step whose KV is still being loaded layer by layer (engine.offload_layerwise) is given
+``wait(layer)``; its shape then replays as segments, one graph for the inputs and embedding,
+one per layer, one for the logits, in the same graph pool, with ``wait(layer)`` on the stream
+before each layer's segment: the layers already loaded compute while the next ones load.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -85,6 +91,15 @@ class _Inputs:
         if self.dev.is_cuda:
             self.copied = torch.cuda.Event()
             self.copied.record()
+
+
+@dataclass
+class _Entry:
+    """One shape's static inputs and its graphs: whole (one launch), and per-layer segments."""
+
+    inputs: _Inputs
+    whole: tuple[torch.cuda.CUDAGraph, Tensor] | None = None
+    segments: tuple[list[torch.cuda.CUDAGraph], Tensor] | None = None
 
 
 class _GridAttention:
@@ -158,8 +173,7 @@ class StepGraphs:
         # At least 64 keys per row, and a multiple of 64 (aligned GEMM shapes): every bucket
         # is a power of two or a multiple of 64 blocks, so a power-of-two minimum keeps it so.
         self._min_blocks = 64 // math.gcd(64, self.block_size)
-        self._graphs: OrderedDict[GridShape, tuple[torch.cuda.CUDAGraph, _Inputs, Tensor]] = OrderedDict()
-        self._eager: dict[GridShape, _Inputs] = {}
+        self._entries: OrderedDict[GridShape, _Entry] = OrderedDict()
         self._pool: Any = None  # torch.cuda graph pool handle, shared by every graph
         self.steps = 0  # steps run as grids (replayed or eager)
         self.captures = 0
@@ -185,51 +199,80 @@ class StepGraphs:
             blocks.append(nb)
         return GridShape(r, q, tuple(blocks))
 
-    def run(self, shape: GridShape, rows: Sequence[GridRow]) -> Tensor:
-        """float32 logits ``[shape.rows, vocab]``: row i is rows[i]'s last token (padding after)."""
+    def run(self, shape: GridShape, rows: Sequence[GridRow], wait: Callable[[int], None] | None = None) -> Tensor:
+        """float32 logits ``[shape.rows, vocab]``: row i is rows[i]'s last token (padding after).
+        ``wait(layer)`` is called (on the stream, in layer order) before each layer runs."""
         values = self._values(shape, rows)
         self.steps += 1
+        entry = self._entries.get(shape)
+        if entry is None:
+            entry = self._entries[shape] = _Entry(_Inputs(shape, self.device))
+            if len(self._entries) > self.max_graphs:
+                self._entries.popitem(last=False)
+        self._entries.move_to_end(shape)
+        entry.inputs.upload(values)
         if not self.capture:
-            inputs = self._eager.get(shape)
-            if inputs is None:
-                inputs = self._eager[shape] = _Inputs(shape, self.device)
-            inputs.upload(values)
-            return self._forward(shape, inputs)
-        entry = self._graphs.get(shape)
-        if entry is not None:
-            self._graphs.move_to_end(shape)
-            graph, inputs, out = entry
-            inputs.upload(values)
+            return self._forward(shape, entry.inputs, wait)
+        if wait is None:
+            if entry.whole is None:
+                entry.whole = self._capture(shape, entry.inputs)
+            graph, out = entry.whole
             graph.replay()
             return out
-        inputs = _Inputs(shape, self.device)
-        inputs.upload(values)
-        graph, out = self._capture(shape, inputs)
-        self._graphs[shape] = (graph, inputs, out)
-        if len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
-        graph.replay()
+        if entry.segments is None:
+            entry.segments = self._capture_segments(shape, entry.inputs, wait)
+        graphs, out = entry.segments
+        graphs[0].replay()
+        for layer, graph in enumerate(graphs[1:-1]):
+            wait(layer)
+            graph.replay()
+        graphs[-1].replay()
         return out
 
-    def _capture(self, shape: GridShape, inputs: _Inputs) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        # Warm-up passes on a side stream (lazy cuBLAS/kernel initialisation must not happen
-        # during capture); they write the same K/V as the replay, so they change nothing.
+    def _warm_up(self, shape: GridShape, inputs: _Inputs, wait: Callable[[int], None] | None) -> None:
+        """Two eager passes on a side stream: lazy cuBLAS/kernel initialisation must not happen
+        during capture. They write the same K/V as the replay will, so they change nothing."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(shape, inputs)
+                self._forward(shape, inputs, wait)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+
+    def _graph(self, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the offload connector's worker thread keeps issuing its own copies,
         # event queries and host registrations meanwhile; in the default (global) mode any of
         # them would invalidate this capture (found by the e2e GPU offload test).
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._forward(shape, inputs)
+            out = fn()
+        return graph, out
+
+    def _capture(self, shape: GridShape, inputs: _Inputs) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        self._warm_up(shape, inputs, None)
+        graph, out = self._graph(lambda: self._forward(shape, inputs))
         self.captures += 1
         return graph, out
+
+    def _capture_segments(
+        self, shape: GridShape, inputs: _Inputs, wait: Callable[[int], None]
+    ) -> tuple[list[torch.cuda.CUDAGraph], Tensor]:
+        """Segments share the pool and always replay in capture order, so one may reuse memory
+        freed by an earlier one; what flows between them (hidden states, masks, rows) stays
+        referenced here."""
+        self._warm_up(shape, inputs, wait)
+        graphs = []
+        graph, (x, cos, sin, attn) = self._graph(lambda: self._prologue(shape, inputs))
+        graphs.append(graph)
+        for layer in self.model.model.layers:
+            graph, x = self._graph(partial(layer, x, cos, sin, attn))
+            graphs.append(graph)
+        graph, out = self._graph(lambda: self._epilogue(x, inputs))
+        graphs.append(graph)
+        self.captures += 1
+        return graphs, out
 
     def _values(self, shape: GridShape, rows: Sequence[GridRow]) -> list[int]:
         r, q, bs = shape.rows, shape.queries, self.block_size
@@ -255,7 +298,20 @@ class StepGraphs:
             values += [0] * (pad * nb)
         return values
 
-    def _forward(self, shape: GridShape, inputs: _Inputs) -> Tensor:
+    def _forward(self, shape: GridShape, inputs: _Inputs, wait: Callable[[int], None] | None = None) -> Tensor:
+        x, cos, sin, attn = self._prologue(shape, inputs)
+        for i, layer in enumerate(self.model.model.layers):
+            if wait is not None:
+                wait(i)
+            x = layer(x, cos, sin, attn)
+        return self._epilogue(x, inputs)
+
+    def _epilogue(self, x: Tensor, inputs: _Inputs) -> Tensor:
+        hidden = self.model.model.norm(x)
+        return self.model.compute_logits(hidden[inputs.view("ends")]).float()
+
+    def _prologue(self, shape: GridShape, inputs: _Inputs) -> tuple[Tensor, Tensor, Tensor, _GridAttention]:
+        """Masks, write rows and block gathers from the static inputs; embeddings and rope."""
         r, q, bs = shape.rows, shape.queries, self.block_size
         dev = inputs.dev.device
         ids, start, count = inputs.view("ids"), inputs.view("start"), inputs.view("count")
@@ -281,8 +337,9 @@ class StepGraphs:
             masks.append(torch.where(q_valid[:, :, None], allowed, keys == 0)[:, None])  # [R, 1, Q, K]
             gathers.append(gather)
         attn = _GridAttention(self.groups, self.layer_slots, shape, rows, gathers, masks)
-        hidden = self.model(ids, q_pos.reshape(-1), attn)
-        return self.model.compute_logits(hidden[inputs.view("ends")]).float()
+        x, cos, sin = self.model.embed(ids, q_pos.reshape(-1))
+        return x, cos, sin, attn
+
 
 
 def _blocks_bucket(n: int) -> int:

@@ -148,9 +148,14 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
-    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+    def embed(self, input_ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """What the first layer takes: token embeddings, and rope's cos and sin."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        return x, cos, sin
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        x, cos, sin = self.embed(input_ids, positions)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
         return self.model.norm(x)

@@ -15,6 +15,7 @@ from engine.connector import OffloadingConnector
 from engine.connector_config import OffloadConnectorConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
+from engine.step_graphs import StepGraphs
 from offloadd.client import OffloadClient
 from tests.support.offloadd_proc import DaemonProcess
 
@@ -60,9 +61,16 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 
 
-def test_store_then_cpu_hit_equals_reference(model: Path, daemon: DaemonProcess) -> None:
-    conn = _connector(daemon)
+@pytest.mark.parametrize("path", ["layerwise", "layerwise-grid", "whole"])
+def test_store_then_cpu_hit_equals_reference(model: Path, daemon: DaemonProcess, path: str) -> None:
+    """``layerwise``: each layer is copied as the step reaches it (engine.offload_layerwise);
+    ``-grid``: the step runs as a padded grid (engine.step_graphs, eager here) that waits per
+    layer; ``whole``: the copy completes before the step."""
+    conn = _connector(daemon, layerwise=path != "whole")
     llm, ref = _llm(model, conn), _llm(model)
+    if path.endswith("-grid"):
+        e = llm.engine
+        e.runner.graphs = StepGraphs(e.model, e.kv_groups, e.runner.layer_slots, e.device, capture=False)
     prompt = _prompt(5 * BS + 7, 1)  # 5 full blocks + 7 tokens
     first = llm.generate(prompt, GREEDY)[0]
     assert conn.flush()
@@ -94,7 +102,10 @@ def test_store_then_cpu_hit_equals_reference(model: Path, daemon: DaemonProcess)
         first_needed = 0 if window is None else max(0, 5 * BS - window + 1) // BS
         assert set(pool.hash_to_block) == set(digests[first_needed:5])
     assert s["cpu_hit_tokens"] == 5 * BS and s["errors"] == 0
+    assert s["load_copy_seconds"] > 0
     assert s["blocks_already_stored"] == 0  # loaded blocks are not stored back
+    if path != "whole":
+        assert conn._loader is not None and conn._loader.issued == {"kernel": groups}  # one load per group, on CPU
     with OffloadClient(daemon.target) as c:  # the load's lease was released
         assert sum(x.num_pinned for x in c.stats().layouts) == 0
     conn.close()

@@ -1,0 +1,133 @@
+"""Layer-by-layer loads from arena slots into KV blocks (engine.offload_layerwise).
+
+On CPU each layer is copied when the step first waits for it (the rest by ``finish``); on CUDA
+the copies run on a load stream with one event per layer, by 2-D DMA where slots and block ids
+both come in runs and by a gather kernel through the mapped arena otherwise."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.offload_copy import ArenaBlocks
+from engine.offload_layerwise import GroupLoad, LayerLoader, LayerLoads
+from offloadd.arena import ArenaGeometry, ArenaMapping, create_chunk_file
+
+SHAPE = (3, 2, 4, 2, 8)  # layers, K/V, tokens, heads, dim
+BLOCK_BYTES = 3 * 2 * 4 * 2 * 8 * 4
+
+
+def _arena(root: str, device: torch.device, slots_per_chunk: int = 4, chunks: int = 2) -> ArenaBlocks:
+    geometry = ArenaGeometry(BLOCK_BYTES, slots_per_chunk, slots_per_chunk * chunks, os.path.join(root, "chunk-{chunk}"))
+    for c in range(chunks):
+        create_chunk_file(geometry.chunk_path(c), geometry.chunk_file_bytes, 0o600, None)
+    return ArenaBlocks(ArenaMapping(geometry), SHAPE, torch.float32, device)
+
+
+@pytest.fixture
+def arena(tmp_path: Path) -> ArenaBlocks:
+    return _arena(str(tmp_path), torch.device("cpu"))
+
+
+def _stored(arena: ArenaBlocks, ids: list[int], slots: list[int]) -> torch.Tensor:
+    src = torch.randn(12, *SHAPE)
+    arena.write(arena.gather(src, ids), slots)
+    return src
+
+
+def test_cpu_layers_are_copied_when_waited_for_and_the_rest_by_finish(arena: ArenaBlocks) -> None:
+    ids, slots = [3, 1, 7, 2, 9], [6, 0, 5, 3, 1]  # both chunk files, out of order
+    src = _stored(arena, ids, slots)
+    kv = torch.zeros(12, *SHAPE)
+    targets = [8, 4, 2, 6, 10]
+    loads = LayerLoads(kv.device)
+    assert LayerLoader(kv.device).load([GroupLoad(0, arena, kv, targets, slots)], loads) is None
+    assert not loads.empty
+    assert torch.count_nonzero(kv) == 0  # nothing before the step asks
+    loads.wait_layer(0, 1)
+    assert torch.equal(kv[targets, 1], src[ids, 1])
+    assert torch.count_nonzero(kv[:, 0]) == 0 and torch.count_nonzero(kv[:, 2]) == 0
+    loads.wait_layer(1, 0)  # another group's layer: nothing of this group's
+    assert torch.count_nonzero(kv[:, 0]) == 0
+    loads.finish()
+    assert loads.empty and loads.copy_seconds > 0
+    assert torch.equal(kv[targets], src[ids])
+    untouched = [i for i in range(12) if i not in targets]
+    assert torch.count_nonzero(kv[untouched]) == 0
+
+
+def test_two_groups_and_two_loads_in_one_step(arena: ArenaBlocks, tmp_path: Path) -> None:
+    (tmp_path / "other").mkdir()
+    other = _arena(str(tmp_path / "other"), torch.device("cpu"))
+    src_a = _stored(arena, [1, 2, 3], [0, 1, 2])
+    src_b = _stored(other, [4, 5], [7, 3])
+    kv_a, kv_b = torch.zeros(12, *SHAPE), torch.zeros(12, *SHAPE)
+    loads, loader = LayerLoads(kv_a.device), LayerLoader(kv_a.device)
+    loader.load([GroupLoad(0, arena, kv_a, [9, 10], [0, 1]), GroupLoad(1, other, kv_b, [2], [3])], loads)
+    loader.load([GroupLoad(0, arena, kv_a, [11], [2])], loads)
+    for layer in range(SHAPE[0]):
+        loads.wait_layer(0, layer)
+    assert torch.equal(kv_a[[9, 10, 11]], src_a[[1, 2, 3]])
+    assert torch.count_nonzero(kv_b) == 0
+    loads.finish()
+    assert torch.equal(kv_b[2], src_b[5])
+
+
+def test_bad_slots_raise_before_anything_is_copied(arena: ArenaBlocks) -> None:
+    kv = torch.zeros(12, *SHAPE)
+    loads = LayerLoads(kv.device)
+    with pytest.raises(IndexError, match="slot 8 outside"):
+        LayerLoader(kv.device).load([GroupLoad(0, arena, kv, [1, 2], [0, 8])], loads)
+    assert loads.empty
+    with pytest.raises(ValueError, match="2 blocks but 1 slots"):
+        LayerLoader(kv.device).load([GroupLoad(0, arena, kv, [1, 2], [0])], loads)
+
+
+@pytest.fixture
+def shm() -> Iterator[str]:
+    root = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["runs", "scattered", "runs-across-chunks"])
+def test_cuda_layer_events_order_each_layer(shm: str, kind: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    arena = _arena(shm, dev, slots_per_chunk=16, chunks=2)
+    src = torch.randn(64, *SHAPE, device=dev)
+    n = 12
+    ids = list(range(40, 40 + n))
+    slots = {"runs": list(range(2, 2 + n)), "runs-across-chunks": list(range(10, 10 + n)),
+             "scattered": [31, 0, 14, 7, 22, 3, 16, 2, 26, 27, 9, 5]}[kind]
+    arena.write(arena.gather(src, ids), slots)
+    torch.cuda.synchronize()
+    kv = torch.zeros_like(src)
+    targets = list(range(5, 5 + n)) if kind != "scattered" else [1, 4, 6, 10, 12, 14, 20, 39, 24, 25, 26, 50]
+    loads, loader = LayerLoads(dev), LayerLoader(dev)
+    done = loader.load([GroupLoad(0, arena, kv, targets, slots)], loads)
+    assert done is not None
+    # Each layer as the step would see it: a stream that waited for that layer only.
+    seen = []
+    for layer in range(SHAPE[0]):
+        loads.wait_layer(0, layer)
+        seen.append(kv[targets, layer].clone())
+    loads.finish()
+    torch.cuda.synchronize()
+    for layer in range(SHAPE[0]):
+        assert torch.equal(seen[layer], src[ids, layer])
+    assert torch.equal(kv[targets], src[ids])
+    untouched = [i for i in range(64) if i not in targets]
+    assert torch.count_nonzero(kv[untouched]) == 0
+    # Runs go by 2-D DMA (one copy per run and layer), scattered slots by the gather kernel.
+    assert loader.issued == ({"kernel": 1} if kind == "scattered" else {"dma": 1})
+    arena.close()
+    arena.mapping.close()
