@@ -103,6 +103,10 @@ class BlockPool:
                 self._evict(blk)
             blk.ref_cnt = 1
             out.append(b)
+        # Ascending ids: which fresh block holds which position does not matter, and blocks
+        # that follow on in memory let a load or store of adjacent slots move as one copy per
+        # run (the queue often holds a freed request's blocks in reverse order).
+        out.sort()
         return out
 
     def _evict(self, blk: Block) -> None:

@@ -91,17 +91,20 @@ class _GroupPlan:
         self.pageable = pageable
         self.dma_runs = [(arena.host_chunk(c).data_ptr() + s * self.block_bytes,
                           kv.data_ptr() + b * self.block_bytes, n) for c, s, b, n in runs] if self.dma else []
-        self._index: dict[int, tuple[Tensor, Tensor]] = {}
+        # Gather path: per chunk, the source as [slots, layers, elements] (the device alias on
+        # CUDA) and the two index tensors, made once for every layer.
+        self._gathers: list[tuple[Tensor, Tensor, Tensor]] = []
+        self._dst: Tensor | None = None
 
-    def _src_layers(self, chunk: int) -> Tensor:
-        """The chunk as ``[slots, layers, layer elements]`` (device alias on CUDA)."""
-        arena = self.load.arena
-        view = arena.device_chunk(chunk) if self.load.kv.is_cuda and not self.pageable else arena.host_chunk(chunk)
-        return view.view(torch.uint8).view(view.shape[0], self.layers, -1).view(self.dtype)
-
-    def _dst_layers(self) -> Tensor:
-        kv = self.load.kv
-        return kv.view(kv.shape[0], -1).view(torch.uint8).view(kv.shape[0], self.layers, -1).view(self.dtype)
+    def _prepare_gathers(self) -> None:
+        kv, arena = self.load.kv, self.load.arena
+        dev = kv.device
+        self._dst = kv.view(kv.shape[0], -1).view(torch.uint8).view(kv.shape[0], self.layers, -1).view(self.dtype)
+        for c, (local, ids) in self.chunks.items():
+            view = arena.device_chunk(c) if kv.is_cuda and not self.pageable else arena.host_chunk(c)
+            src = view.view(torch.uint8).view(view.shape[0], self.layers, -1).view(self.dtype)
+            local_t = arena.index(local, torch.device("cpu") if self.pageable else dev)
+            self._gathers.append((src, local_t, arena.index(ids, dev)))
 
     def copy_layer(self, li: int, memcpy_2d: Callable[..., int] | None, stream: int) -> None:
         """Enqueue (CUDA) or do (CPU) the copy of layer ``li`` of every block."""
@@ -114,25 +117,13 @@ class _GroupPlan:
                 if err != 0:
                     raise RuntimeError(f"cudaMemcpy2DAsync of layer {li} failed: error {err}")
             return
-        dst = self._dst_layers()[:, li]
-        dev = self.load.kv.device
-        for c in self.chunks:
-            local, ids = self._indices(c, dev)
-            src = self._src_layers(c)[:, li]
-            if self.pageable:
-                dst.index_copy_(0, ids, src.index_select(0, local).to(dev))
-            else:
-                dst.index_copy_(0, ids, src.index_select(0, local))
-
-    def _indices(self, chunk: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """(slots inside the chunk, on the source's device; block ids, on the KV's device)."""
-        got = self._index.get(chunk)
-        if got is None:
-            local, ids = self.chunks[chunk]
-            arena = self.load.arena
-            got = (arena.index(local, torch.device("cpu") if self.pageable else device), arena.index(ids, device))
-            self._index[chunk] = got
-        return got
+        if self._dst is None:
+            self._prepare_gathers()
+        assert self._dst is not None
+        dst = self._dst[:, li]
+        for src, local, ids in self._gathers:
+            rows = src[:, li].index_select(0, local)
+            dst.index_copy_(0, ids, rows.to(dst.device) if self.pageable else rows)
 
 
 class LayerLoads:
@@ -142,7 +133,7 @@ class LayerLoads:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
-        self._pending: list[tuple[_GroupPlan, list[bool]]] = []  # CPU: plans and the layers done
+        self._pending: list[tuple[_GroupPlan, list[bool]]] = []  # plans and the layers done (CPU)
         self.copy_seconds = 0.0
         """CPU: time spent in the deferred copies so far."""
 
@@ -167,6 +158,7 @@ class LayerLoads:
             for ev in self._events.values():
                 current.wait_event(ev)
             self._events.clear()
+            self._pending.clear()  # new allocations on any stream now follow the copies
             return
         for plan, done in self._pending:
             for li in range(plan.layers):
@@ -188,10 +180,12 @@ class LayerLoads:
 class LayerLoader:
     """Issues layer-by-layer loads on one load stream (CUDA) or defers them per layer (CPU)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, num_streams: int = 2) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if self.is_cuda else None
+        # Layers alternate between the streams: one layer's copies start while the previous
+        # layer's last one drains, hiding the gap each DMA copy leaves behind it.
+        self._streams = [torch.cuda.Stream(device) for _ in range(num_streams)] if self.is_cuda else []
         self._memcpy_2d = find_cuda_memcpy_2d(loaded_cudart()) if self.is_cuda else None
         self.issued: dict[str, int] = {}
         """Group loads issued per path: ``dma`` (2-D copies of runs) or ``kernel`` (gather)."""
@@ -211,20 +205,25 @@ class LayerLoader:
         if not self.is_cuda:
             into._pending.extend((p, [False] * p.layers) for p in plans)
             return None
-        assert self._stream is not None
-        stream = self._stream
-        # The fresh blocks may still be read by work already enqueued (a step that freed them).
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        handle = int(stream.cuda_stream)
-        with torch.cuda.stream(stream):
-            if timing is not None:
-                timing[0].record(stream)
-            for li in range(max(p.layers for p in plans)):
+        # Kept until finish(): the gather path's index tensors are read by both load streams.
+        into._pending.extend((p, [True] * p.layers) for p in plans)
+        streams = self._streams
+        current = torch.cuda.current_stream(self.device)
+        for st in streams:
+            # The fresh blocks may still be read by work already enqueued (a step that freed them).
+            st.wait_stream(current)
+        if timing is not None:
+            timing[0].record(streams[0])
+        for li in range(max(p.layers for p in plans)):
+            st = streams[li % len(streams)]
+            with torch.cuda.stream(st):
                 for p in plans:
                     if li < p.layers:
-                        p.copy_layer(li, self._memcpy_2d, handle)
-                        into._events[(p.load.group_idx, li)] = stream.record_event()
-            if timing is not None:
-                timing[1].record(stream)
-                return timing[1]
-            return stream.record_event()
+                        p.copy_layer(li, self._memcpy_2d, int(st.cuda_stream))
+                        into._events[(p.load.group_idx, li)] = st.record_event()
+        for st in streams[1:]:
+            streams[0].wait_stream(st)
+        if timing is not None:
+            timing[1].record(streams[0])
+            return timing[1]
+        return streams[0].record_event()
