@@ -208,6 +208,17 @@ def _profile(llm: Any, conn: Any, rng: random.Random, vocab: int, n: int, params
                     print(f"{e.time_range.start - t0:9.0f} {e.time_range.elapsed_us():8.0f} {mark}{e.name[:60]}")
                 prev_end = max(prev_end, e.time_range.end)
             print(f"last GPU op ends at {prev_end - t0:.0f} us")
+            # The host's side: CUDA runtime calls (same clock), to see when work was issued.
+            calls = sorted((e for e in tp.events() if e.device_type.name == "CPU" and e.name.startswith("cuda")),
+                           key=lambda e: e.time_range.start)
+            shown: dict[str, int] = {}
+            print("--- CUDA runtime calls on the host (us from the first GPU op): start, duration, name")
+            for e in calls:
+                n = shown.get(e.name, 0)
+                if n < 4 or e.time_range.elapsed_us() > 50:
+                    print(f"{e.time_range.start - t0:9.0f} {e.time_range.elapsed_us():8.0f} {e.name[:50]}")
+                shown[e.name] = n + 1
+            print("calls: " + ", ".join(f"{k} x{v}" for k, v in shown.items()))
 
 
 def _breakdown(llm: Any, conn: Any, prompt: list[int], params: Any, reps: int = 5) -> dict[str, dict[str, float]]:

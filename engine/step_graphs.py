@@ -6,9 +6,10 @@ launches per layer from Python. Such a step is laid out as a fixed grid instead,
 rows of ``Q`` query slots, each reading ``NB`` whole blocks per KV group, all rounded up to
 powers of two, so that one captured CUDA graph per grid shape replays it with a single launch.
 
-Everything a graph reads lives in one static device buffer of int64 per shape, refilled by one
-pinned copy per step: token ids, each row's first position and token count, the flat index of
-its last token, and per group the row's first visible key position and its block ids. Write
+Everything a graph reads lives in one static buffer per shape, rewritten by the host each step
+(on CUDA pinned memory that the graph reads itself at its start: no copy is queued): token
+ids, each row's first position and token count, the flat index of its last token, and per
+group the row's first visible key position and its block ids. Write
 rows and masks are derived from those inside the graph. Padding (query slots past a row's
 tokens, rows past the step's requests) writes its K/V into the null block (never read unmasked:
 the null block holds finite values only) and attends to one key so softmax stays finite; its
@@ -39,6 +40,7 @@ from torch import Tensor
 
 from engine.kv_cache import KVCacheGroup
 from engine.model.llama import LlamaForCausalLM
+from engine.offload_cuda import CudaArray
 
 
 def _pow2(n: int) -> int:
@@ -62,7 +64,11 @@ class GridRow:
 
 
 class _Inputs:
-    """The static int64 inputs of one shape: a pinned host staging buffer and its device twin."""
+    """The static int64 inputs of one shape, written by the host into one buffer per step.
+
+    On CUDA the buffer is pinned host memory that the step reads itself, over PCIe, with one
+    conversion kernel (to int64) at its start: no copy-engine work, so a step never queues
+    behind the DMA copies of a load it overlaps (engine.offload_layerwise). Values are int32."""
 
     def __init__(self, shape: GridShape, device: torch.device) -> None:
         r, q = shape.rows, shape.queries
@@ -74,23 +80,31 @@ class _Inputs:
         for name, n in sizes:
             self.offsets[name] = (total, n)
             total += n
-        pin = device.type == "cuda"
-        self.host = torch.zeros(total, dtype=torch.long, pin_memory=pin)
-        self.dev = torch.zeros(total, dtype=torch.long, device=device)
-        self.copied: torch.cuda.Event | None = None
+        self.cuda = device.type == "cuda"
+        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=self.cuda)
+        # Pinned (cudaHostAlloc) memory is mapped at the same address for the device (UVA).
+        self.src = (torch.as_tensor(CudaArray(self.host.data_ptr(), total * 4), device=device).view(torch.int32)
+                    if self.cuda else self.host)
+        self.read: torch.cuda.Event | None = None
 
-    def view(self, name: str) -> Tensor:
+    def flat(self) -> Tensor:
+        """Every input as one int64 device tensor (in a graph: the replay reads the buffer)."""
+        return self.src.to(torch.long)
+
+    def part(self, flat: Tensor, name: str) -> Tensor:
         off, n = self.offsets[name]
-        return self.dev[off : off + n]
+        return flat[off : off + n]
 
     def upload(self, values: list[int]) -> None:
-        if self.copied is not None:
-            self.copied.synchronize()  # the previous step's copy has read the staging buffer
-        self.host.copy_(torch.tensor(values, dtype=torch.long))
-        self.dev.copy_(self.host, non_blocking=True)
-        if self.dev.is_cuda:
-            self.copied = torch.cuda.Event()
-            self.copied.record()
+        if self.read is not None:
+            self.read.synchronize()  # the previous step has read the buffer
+        self.host.copy_(torch.tensor(values, dtype=torch.int32))
+
+    def mark_read(self) -> None:
+        """After enqueuing the work that reads the buffer: the next upload waits for it."""
+        if self.cuda:
+            self.read = torch.cuda.Event()
+            self.read.record()
 
 
 @dataclass
@@ -212,17 +226,21 @@ class StepGraphs:
         self._entries.move_to_end(shape)
         entry.inputs.upload(values)
         if not self.capture:
-            return self._forward(shape, entry.inputs, wait)
+            out = self._forward(shape, entry.inputs, wait)
+            entry.inputs.mark_read()
+            return out
         if wait is None:
             if entry.whole is None:
                 entry.whole = self._capture(shape, entry.inputs)
             graph, out = entry.whole
             graph.replay()
+            entry.inputs.mark_read()
             return out
         if entry.segments is None:
             entry.segments = self._capture_segments(shape, entry.inputs, wait)
         graphs, out = entry.segments
         graphs[0].replay()
+        entry.inputs.mark_read()
         for layer, graph in enumerate(graphs[1:-1]):
             wait(layer)
             graph.replay()
@@ -264,12 +282,12 @@ class StepGraphs:
         referenced here."""
         self._warm_up(shape, inputs, wait)
         graphs = []
-        graph, (x, cos, sin, attn) = self._graph(lambda: self._prologue(shape, inputs))
+        graph, (x, cos, sin, attn, ends) = self._graph(lambda: self._prologue(shape, inputs))
         graphs.append(graph)
         for layer in self.model.model.layers:
             graph, x = self._graph(partial(layer, x, cos, sin, attn))
             graphs.append(graph)
-        graph, out = self._graph(lambda: self._epilogue(x, inputs))
+        graph, out = self._graph(lambda: self._epilogue(x, ends))
         graphs.append(graph)
         self.captures += 1
         return graphs, out
@@ -299,29 +317,30 @@ class StepGraphs:
         return values
 
     def _forward(self, shape: GridShape, inputs: _Inputs, wait: Callable[[int], None] | None = None) -> Tensor:
-        x, cos, sin, attn = self._prologue(shape, inputs)
+        x, cos, sin, attn, ends = self._prologue(shape, inputs)
         for i, layer in enumerate(self.model.model.layers):
             if wait is not None:
                 wait(i)
             x = layer(x, cos, sin, attn)
-        return self._epilogue(x, inputs)
+        return self._epilogue(x, ends)
 
-    def _epilogue(self, x: Tensor, inputs: _Inputs) -> Tensor:
+    def _epilogue(self, x: Tensor, ends: Tensor) -> Tensor:
         hidden = self.model.model.norm(x)
-        return self.model.compute_logits(hidden[inputs.view("ends")]).float()
+        return self.model.compute_logits(hidden[ends]).float()
 
-    def _prologue(self, shape: GridShape, inputs: _Inputs) -> tuple[Tensor, Tensor, Tensor, _GridAttention]:
+    def _prologue(self, shape: GridShape, inputs: _Inputs) -> tuple[Tensor, Tensor, Tensor, _GridAttention, Tensor]:
         """Masks, write rows and block gathers from the static inputs; embeddings and rope."""
         r, q, bs = shape.rows, shape.queries, self.block_size
-        dev = inputs.dev.device
-        ids, start, count = inputs.view("ids"), inputs.view("start"), inputs.view("count")
+        flat = inputs.flat()
+        dev = flat.device
+        ids, start, count = (inputs.part(flat, n) for n in ("ids", "start", "count"))
         slot = torch.arange(q, device=dev)
         q_pos = start[:, None] + slot[None, :]  # [R, Q]
         q_valid = slot[None, :] < count[:, None]
         rows, gathers, masks = [], [], []
         for g, group in enumerate(self.groups):
             nb, layers = shape.blocks[g], int(group.tensor.shape[1])
-            lo, gather = inputs.view(f"lo{g}"), inputs.view(f"gather{g}")
+            lo, gather = inputs.part(flat, f"lo{g}"), inputs.part(flat, f"gather{g}")
             index = ((q_pos - lo[:, None]) // bs).clamp(0, nb - 1)
             block = torch.where(q_valid, gather.view(r, nb).gather(1, index), 0)
             base = (block * (layers * 2 * bs) + q_pos % bs).view(1, 1, -1)
@@ -338,7 +357,7 @@ class StepGraphs:
             gathers.append(gather)
         attn = _GridAttention(self.groups, self.layer_slots, shape, rows, gathers, masks)
         x, cos, sin = self.model.embed(ids, q_pos.reshape(-1))
-        return x, cos, sin, attn
+        return x, cos, sin, attn, inputs.part(flat, "ends")
 
 
 
