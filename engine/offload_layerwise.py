@@ -106,12 +106,13 @@ class _GroupPlan:
             local_t = arena.index(local, torch.device("cpu") if self.pageable else dev)
             self._gathers.append((src, local_t, arena.index(ids, dev)))
 
-    def copy_layer(self, li: int, memcpy_2d: Callable[..., int] | None, stream: int) -> None:
-        """Enqueue (CUDA) or do (CPU) the copy of layer ``li`` of every block."""
+    def copy_layer(self, li: int, memcpy_2d: Callable[..., int] | None = None,
+                   handle: ctypes.c_void_p | None = None) -> None:
+        """Enqueue (CUDA: on ``handle``'s stream for DMA, else on the current stream) or do
+        (CPU) the copy of layer ``li`` of every block."""
         if self.dma:
             assert memcpy_2d is not None
             off, bb, lb = li * self.layer_bytes, self.block_bytes, self.layer_bytes
-            handle = ctypes.c_void_p(stream)
             for src_ptr, dst_ptr, n in self.dma_runs:
                 err = memcpy_2d(dst_ptr + off, bb, src_ptr + off, bb, lb, n, CUDA_MEMCPY_DEFAULT, handle)
                 if err != 0:
@@ -169,7 +170,7 @@ class LayerLoads:
 
     def _copy(self, plan: _GroupPlan, layer: int) -> None:
         t0 = time.perf_counter()
-        plan.copy_layer(layer, None, 0)
+        plan.copy_layer(layer)
         self.copy_seconds += time.perf_counter() - t0
 
     @property
@@ -186,6 +187,11 @@ class LayerLoader:
         # Layers alternate between the streams: one layer's copies start while the previous
         # layer's last one drains, hiding the gap each DMA copy leaves behind it.
         self._streams = [torch.cuda.Stream(device) for _ in range(num_streams)] if self.is_cuda else []
+        self._handles = [ctypes.c_void_p(int(st.cuda_stream)) for st in self._streams]
+        # One event per (group, layer), recorded again by every load: a step's waits are
+        # enqueued before the next load records it again, and two loads of one step record
+        # it on the same stream, in order.
+        self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self._memcpy_2d = find_cuda_memcpy_2d(loaded_cudart()) if self.is_cuda else None
         self.issued: dict[str, int] = {}
         """Group loads issued per path: ``dma`` (2-D copies of runs) or ``kernel`` (gather)."""
@@ -214,13 +220,26 @@ class LayerLoader:
             st.wait_stream(current)
         if timing is not None:
             timing[0].record(streams[0])
+        # The issuing loop is on the host's critical path (the step launches after it): no
+        # stream contexts or new events for DMA copies, only the copies and one record.
+        events, memcpy_2d = self._events, self._memcpy_2d
         for li in range(max(p.layers for p in plans)):
-            st = streams[li % len(streams)]
-            with torch.cuda.stream(st):
-                for p in plans:
-                    if li < p.layers:
-                        p.copy_layer(li, self._memcpy_2d, int(st.cuda_stream))
-                        into._events[(p.load.group_idx, li)] = st.record_event()
+            k = li % len(streams)
+            st = streams[k]
+            for p in plans:
+                if li >= p.layers:
+                    continue
+                if p.dma:
+                    p.copy_layer(li, memcpy_2d, self._handles[k])
+                else:
+                    with torch.cuda.stream(st):
+                        p.copy_layer(li)
+                key = (p.load.group_idx, li)
+                ev = events.get(key)
+                if ev is None:
+                    ev = events[key] = torch.cuda.Event()
+                ev.record(st)
+                into._events[key] = ev
         for st in streams[1:]:
             streams[0].wait_stream(st)
         if timing is not None:

@@ -137,14 +137,15 @@ class _GridAttention:
         cache = self.caches[g]
         hkv, d = k.shape[1], k.shape[2]
         rep = q.shape[1] // hkv
-        keys = cache[:, li, 0].index_select(0, self.gathers[g])  # [R * NB, bs, Hkv, D]
-        values = cache[:, li, 1].index_select(0, self.gathers[g])
-        # [R * Hkv, K, D], and the queries grouped under their KV head [R * Hkv, rep * Q, D]:
-        # no copies of K/V per query head, and two batched GEMMs instead of an attention
-        # kernel. With few queries per row the fused kernels parallelise badly (the masked
-        # memory-efficient one took 240 us per layer for 16 queries over 4096 keys on an H200).
-        keys = keys.view(r, -1, hkv, d).transpose(1, 2).reshape(r * hkv, -1, d)
-        values = values.view(r, -1, hkv, d).transpose(1, 2).reshape(r * hkv, -1, d)
+        kv = cache[:, li].index_select(0, self.gathers[g])  # [R * NB, 2, bs, Hkv, D]: K and V at once
+        # [2, R * Hkv, K, D] (one copy for K and V), and the queries grouped under their KV head
+        # [R * Hkv, rep * Q, D]: no copies of K/V per query head, and two batched GEMMs instead
+        # of an attention kernel. With few queries per row the fused kernels parallelise badly
+        # (the masked memory-efficient one took 240 us per layer for 16 queries over 4096 keys
+        # on an H200).
+        nb = kv.shape[0] // r
+        kv = kv.view(r, nb, 2, -1, hkv, d).permute(2, 0, 4, 1, 3, 5).reshape(2, r * hkv, -1, d)
+        keys, values = kv[0], kv[1]
         qg = q.view(r, nq, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(r * hkv, rep * nq, d)
         scores = _bmm_f32(qg, keys.transpose(1, 2)).mul_(d**-0.5).view(r, hkv, rep, nq, -1)
         scores.masked_fill_(~self.masks[g][:, :, None], float("-inf"))  # mask [R, 1, Q, K]

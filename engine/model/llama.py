@@ -79,15 +79,17 @@ class Attention(nn.Module):
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv is not None:
             qkv = F.linear(x, *self.qkv)
-            q = qkv[:, :nq].view(t, self.num_heads, self.head_dim)
-            k = qkv[:, nq : nq + nkv].view(t, self.num_kv_heads, self.head_dim)
+            # Rope on q and k at once (the same elementwise ops on every head, half the kernels).
+            qk = qkv[:, : nq + nkv].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, nq + nkv :].view(t, self.num_kv_heads, self.head_dim)
         else:
             q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
             k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
             v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
         out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
