@@ -208,6 +208,22 @@ def _profile(llm: Any, conn: Any, rng: random.Random, vocab: int, n: int, params
                     print(f"{e.time_range.start - t0:9.0f} {e.time_range.elapsed_us():8.0f} {mark}{e.name[:60]}")
                 prev_end = max(prev_end, e.time_range.end)
             print(f"last GPU op ends at {prev_end - t0:.0f} us")
+            # How busy the GPU was over time: copies and compute (kernels) per 250 us window.
+            width = 250.0
+            busy: dict[int, list[float]] = {}
+            for e in events:
+                kind = 0 if e.name.startswith("Memcpy") else 1
+                a, b = e.time_range.start - t0, e.time_range.end - t0
+                w = int(a // width)
+                while a < b:
+                    end = min(b, (w + 1) * width)
+                    busy.setdefault(w, [0.0, 0.0, 0])[kind] += end - a
+                    a, w = end, w + 1
+                busy[int((e.time_range.start - t0) // width)][2] += kind
+            print("--- GPU busy per 250 us window: start, copy us, kernel us, kernels started")
+            for w in sorted(busy):
+                c, k, n = busy[w]
+                print(f"{w * width:9.0f} {c:6.0f} {k:6.0f} {n:5.0f}")
             # The host's side: CUDA runtime calls (same clock), to see when work was issued.
             calls = sorted((e for e in tp.events() if e.device_type.name == "CPU" and e.name.startswith("cuda")),
                            key=lambda e: e.time_range.start)

@@ -108,7 +108,7 @@ class OffloadingConnector:
         device = self.groups[0].tensor.device
         if self.config.layerwise:
             self._loader = LayerLoader(device)
-            self._layer_loads = LayerLoads(device)
+            self._layer_loads = self._loader.new_step()
         self.worker = OffloadWorker(
             self.client, self.config.engine_id, self.config.lease_ms, self.metrics,
             self._mark_unregistered, device,
@@ -213,7 +213,9 @@ class OffloadingConnector:
                 f"({0 if pinned is None else pinned.num_blocks} pinned)"
             )
         cuda = self.groups[0].tensor.device.type == "cuda"
-        timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        # Layer by layer, the step's copies are timed once (by its first load's timing events).
+        first = self._layer_loads is None or self._layer_loads.empty
+        timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda and first else None
         t0 = time.perf_counter()
         nbytes = 0
         try:
@@ -245,9 +247,11 @@ class OffloadingConnector:
 
     def _issue(self, plan: list[GroupLoad],
                timing: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> torch.cuda.Event | None:
-        """Start the copies; on CUDA, return the event after the last one (timing events too)."""
+        """Start the copies; on CUDA, return the event after the last one (None layer by
+        layer: that event is made once the step is done, _finish_loads)."""
         if self._loader is not None and self._layer_loads is not None:
-            return self._loader.load(plan, self._layer_loads, timing)
+            self._loader.load(plan, self._layer_loads, timing)
+            return None
         if timing is not None:
             timing[0].record()
         for x in plan:
@@ -262,24 +266,28 @@ class OffloadingConnector:
         loads = self._layer_loads
         return None if loads is None or loads.empty else loads
 
-    def _finish_loads(self) -> None:
-        """After the step: every load complete in stream order, CPU copy time counted."""
+    def _finish_loads(self) -> torch.cuda.Event | None:
+        """After the step: every load issued and complete in stream order, CPU copy time
+        counted; on CUDA, an event after the last copy."""
         if self._layer_loads is None:
-            return
-        self._layer_loads.finish()
+            return None
+        done = self._layer_loads.finish()
         if self._layer_loads.copy_seconds:
             self.metrics.add(load_copy_seconds=self._layer_loads.copy_seconds)
             self._layer_loads.copy_seconds = 0.0
+        return done
 
     def request_finished(self, request_id: str) -> None:
         self._unpin(request_id)
         self.batcher.drop(request_id)
         self._seen.discard(request_id)
 
-    def _release_loaded(self) -> None:
+    def _release_loaded(self, copied: torch.cuda.Event | None = None) -> None:
+        """Release the step's load leases once their copies completed (``copied``: the event
+        after the layer-by-layer copies)."""
         leases, self._loaded_leases = self._loaded_leases, []
         for lease_id, done, timing in leases:
-            self._release_later(lease_id, done, timing)
+            self._release_later(lease_id, done or copied, timing)
 
     def _unpin(self, request_id: str) -> None:
         pinned = self._pinned.pop(request_id, None)
@@ -296,8 +304,7 @@ class OffloadingConnector:
     # -- store --------------------------------------------------------------------------
 
     def store(self, new_blocks: Sequence[NewBlocks]) -> None:
-        self._finish_loads()
-        self._release_loaded()
+        self._release_loaded(self._finish_loads())
         skip, self._just_loaded = self._just_loaded, set()
         if not new_blocks or not self.config.store or not self._active():
             return
@@ -350,8 +357,7 @@ class OffloadingConnector:
         return self.worker.wait_idle(timeout_s) if self.worker is not None else True
 
     def close(self) -> None:
-        self._finish_loads()
-        self._release_loaded()
+        self._release_loaded(self._finish_loads())
         for request_id in list(self._pinned):
             self._unpin(request_id)
         if self.worker is not None:

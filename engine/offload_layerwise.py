@@ -127,59 +127,114 @@ class _GroupPlan:
             dst.index_copy_(0, ids, rows.to(dst.device) if self.pageable else rows)
 
 
-class LayerLoads:
-    """The loads issued for one step; the step calls :meth:`wait_layer` before each layer."""
+LOOKAHEAD_LAYERS = 4
+"""CUDA: layers whose copies are issued ahead of the layer the step waits for. The rest are
+issued from the step's own waits, so that its first layers launch right after the first
+copies instead of after all of them (the host issues both in turn)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.is_cuda = device.type == "cuda"
+
+class _Pending:
+    """A plan of this step, and how far it got: layers issued (CUDA) or copied (CPU)."""
+
+    def __init__(self, plan: _GroupPlan) -> None:
+        self.plan = plan
+        self.next = 0  # CUDA: layers [0, next) issued
+        self.copied = [False] * plan.layers  # CPU
+
+
+class LayerLoads:
+    """One step's loads; the step calls :meth:`wait_layer` before each layer, and
+    :meth:`finish` after the step (whatever it did)."""
+
+    def __init__(self, loader: LayerLoader) -> None:
+        self.loader = loader
+        self.device = loader.device
+        self.is_cuda = loader.is_cuda
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
-        self._pending: list[tuple[_GroupPlan, list[bool]]] = []  # plans and the layers done (CPU)
+        self._pending: list[_Pending] = []
+        self._issued_upto = 0  # CUDA: layers below this are issued for every plan
+        self._timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self.copy_seconds = 0.0
         """CPU: time spent in the deferred copies so far."""
+
+    @property
+    def empty(self) -> bool:
+        return not self._pending
+
+    def add(self, plans: Sequence[_GroupPlan], timing: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
+        pending = [_Pending(p) for p in plans]
+        if not self.is_cuda or not pending:
+            self._pending.extend(pending)
+            return
+        if not self._pending:
+            self.loader.start(timing)
+            self._timing = timing
+        self._pending.extend(pending)
+        for x in pending:  # catch up with the plans added earlier in this step
+            self._issue(x, self._issued_upto)
+        self._issue_upto(LOOKAHEAD_LAYERS)
+
+    def _issue(self, x: _Pending, upto: int) -> None:
+        while x.next < min(upto, x.plan.layers):
+            self._events[(x.plan.load.group_idx, x.next)] = self.loader.issue(x.plan, x.next)
+            x.next += 1
+
+    def _issue_upto(self, layer: int) -> None:
+        if layer <= self._issued_upto:
+            return
+        for li in range(self._issued_upto, layer):
+            for x in self._pending:
+                self._issue(x, li + 1)
+        self._issued_upto = layer
 
     def wait_layer(self, group_idx: int, layer: int) -> None:
         """Make what follows on the current stream (CUDA) or in this thread (CPU) see every
         block of layer ``layer`` of group ``group_idx`` loaded."""
         if self.is_cuda:
+            self._issue_upto(layer + 1 + LOOKAHEAD_LAYERS)
             ev = self._events.get((group_idx, layer))
             if ev is not None:
                 torch.cuda.current_stream(self.device).wait_event(ev)
             return
-        for plan, done in self._pending:
-            if plan.load.group_idx == group_idx and not done[layer]:
-                self._copy(plan, layer)
-                done[layer] = True
+        for x in self._pending:
+            if x.plan.load.group_idx == group_idx and not x.copied[layer]:
+                self._copy(x, layer)
 
-    def finish(self) -> None:
-        """Every load complete in stream order (CUDA) or done (CPU): after the step, or when a
-        step did not wait for some layer."""
-        if self.is_cuda:
-            current = torch.cuda.current_stream(self.device)
-            for ev in self._events.values():
-                current.wait_event(ev)
-            self._events.clear()
-            self._pending.clear()  # new allocations on any stream now follow the copies
-            return
-        for plan, done in self._pending:
-            for li in range(plan.layers):
-                if not done[li]:
-                    self._copy(plan, li)
-                    done[li] = True
-        self._pending.clear()
+    def finish(self) -> torch.cuda.Event | None:
+        """Every load issued and complete in stream order (CUDA) or done (CPU): after the
+        step, or when a step did not wait for some layer. CUDA: returns an event that
+        completes after every copy (None when there was nothing to load)."""
+        if not self._pending:
+            return None
+        if not self.is_cuda:
+            for x in self._pending:
+                for li in range(x.plan.layers):
+                    if not x.copied[li]:
+                        self._copy(x, li)
+            self._pending.clear()
+            return None
+        self._issue_upto(max(x.plan.layers for x in self._pending))
+        current = torch.cuda.current_stream(self.device)
+        for ev in self._events.values():
+            current.wait_event(ev)
+        done = self.loader.join(self._timing)
+        current.wait_event(done)
+        self._events.clear()
+        self._pending.clear()  # new allocations on any stream now follow the copies
+        self._issued_upto = 0
+        self._timing = None
+        return done
 
-    def _copy(self, plan: _GroupPlan, layer: int) -> None:
+    def _copy(self, x: _Pending, layer: int) -> None:
         t0 = time.perf_counter()
-        plan.copy_layer(layer)
+        x.plan.copy_layer(layer)
+        x.copied[layer] = True
         self.copy_seconds += time.perf_counter() - t0
-
-    @property
-    def empty(self) -> bool:
-        return not self._events and not self._pending
 
 
 class LayerLoader:
-    """Issues layer-by-layer loads on one load stream (CUDA) or defers them per layer (CPU)."""
+    """Plans loads and issues their layers on two load streams (CUDA); on CPU the copies are
+    deferred to the step's waits."""
 
     def __init__(self, device: torch.device, num_streams: int = 2) -> None:
         self.device = device
@@ -189,60 +244,59 @@ class LayerLoader:
         self._streams = [torch.cuda.Stream(device) for _ in range(num_streams)] if self.is_cuda else []
         self._handles = [ctypes.c_void_p(int(st.cuda_stream)) for st in self._streams]
         # One event per (group, layer), recorded again by every load: a step's waits are
-        # enqueued before the next load records it again, and two loads of one step record
+        # enqueued before the next step records it again, and two loads of one step record
         # it on the same stream, in order.
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self._memcpy_2d = find_cuda_memcpy_2d(loaded_cudart()) if self.is_cuda else None
         self.issued: dict[str, int] = {}
-        """Group loads issued per path: ``dma`` (2-D copies of runs) or ``kernel`` (gather)."""
+        """Group loads planned per path: ``dma`` (2-D copies of runs) or ``kernel`` (gather)."""
+
+    def new_step(self) -> LayerLoads:
+        return LayerLoads(self)
 
     def load(self, groups: Sequence[GroupLoad], into: LayerLoads,
-             timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> torch.cuda.Event | None:
-        """Start loading every group's blocks, layer 0 of all groups first; ``into`` gets the
-        per-layer events (CUDA) or the deferred copies (CPU). Returns the event recorded after
-        the last copy (CUDA; ``timing``, if given, is recorded around the copies). Bad slots
-        raise before anything is issued."""
+             timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> None:
+        """Plan every group's copies and hand them to ``into`` (CUDA: the first layers are
+        issued now, layer 0 of every group first). Bad input raises before anything is
+        issued. ``timing`` (CUDA) is recorded around the step's copies."""
         plans = [_GroupPlan(g, self._memcpy_2d) for g in groups if len(g.block_ids)]
-        if not plans:
-            return None
         for p in plans:
             path = "dma" if p.dma else "kernel"
             self.issued[path] = self.issued.get(path, 0) + 1
-        if not self.is_cuda:
-            into._pending.extend((p, [False] * p.layers) for p in plans)
-            return None
-        # Kept until finish(): the gather path's index tensors are read by both load streams.
-        into._pending.extend((p, [True] * p.layers) for p in plans)
-        streams = self._streams
+        into.add(plans, timing)
+
+    def start(self, timing: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
+        """Before a step's first copy: order the load streams after the work enqueued so far
+        (the fresh blocks may still be read by a step that freed them)."""
         current = torch.cuda.current_stream(self.device)
-        for st in streams:
-            # The fresh blocks may still be read by work already enqueued (a step that freed them).
+        for st in self._streams:
             st.wait_stream(current)
         if timing is not None:
-            timing[0].record(streams[0])
-        # The issuing loop is on the host's critical path (the step launches after it): no
-        # stream contexts or new events for DMA copies, only the copies and one record.
-        events, memcpy_2d = self._events, self._memcpy_2d
-        for li in range(max(p.layers for p in plans)):
-            k = li % len(streams)
-            st = streams[k]
-            for p in plans:
-                if li >= p.layers:
-                    continue
-                if p.dma:
-                    p.copy_layer(li, memcpy_2d, self._handles[k])
-                else:
-                    with torch.cuda.stream(st):
-                        p.copy_layer(li)
-                key = (p.load.group_idx, li)
-                ev = events.get(key)
-                if ev is None:
-                    ev = events[key] = torch.cuda.Event()
-                ev.record(st)
-                into._events[key] = ev
-        for st in streams[1:]:
-            streams[0].wait_stream(st)
+            timing[0].record(self._streams[0])
+
+    def issue(self, plan: _GroupPlan, li: int) -> torch.cuda.Event:
+        """Enqueue layer ``li`` of the plan; returns the event recorded after it. On the host's
+        critical path: no stream context or new event for DMA copies."""
+        k = li % len(self._streams)
+        st = self._streams[k]
+        if plan.dma:
+            plan.copy_layer(li, self._memcpy_2d, self._handles[k])
+        else:
+            with torch.cuda.stream(st):
+                plan.copy_layer(li)
+        key = (plan.load.group_idx, li)
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = torch.cuda.Event()
+        ev.record(st)
+        return ev
+
+    def join(self, timing: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> torch.cuda.Event:
+        """An event after everything issued on the load streams."""
+        first = self._streams[0]
+        for st in self._streams[1:]:
+            first.wait_stream(st)
         if timing is not None:
-            timing[1].record(streams[0])
+            timing[1].record(first)
             return timing[1]
-        return streams[0].record_event()
+        return first.record_event()

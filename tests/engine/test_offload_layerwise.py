@@ -16,18 +16,20 @@ import pytest
 import torch
 
 from engine.offload_copy import ArenaBlocks
-from engine.offload_layerwise import GroupLoad, LayerLoader, LayerLoads
+from engine.offload_layerwise import GroupLoad, LayerLoader
 from offloadd.arena import ArenaGeometry, ArenaMapping, create_chunk_file
 
 SHAPE = (3, 2, 4, 2, 8)  # layers, K/V, tokens, heads, dim
 BLOCK_BYTES = 3 * 2 * 4 * 2 * 8 * 4
 
 
-def _arena(root: str, device: torch.device, slots_per_chunk: int = 4, chunks: int = 2) -> ArenaBlocks:
-    geometry = ArenaGeometry(BLOCK_BYTES, slots_per_chunk, slots_per_chunk * chunks, os.path.join(root, "chunk-{chunk}"))
+def _arena(root: str, device: torch.device, slots_per_chunk: int = 4, chunks: int = 2,
+           shape: tuple[int, ...] = SHAPE) -> ArenaBlocks:
+    block_bytes = 4 * int(torch.tensor(shape).prod())
+    geometry = ArenaGeometry(block_bytes, slots_per_chunk, slots_per_chunk * chunks, os.path.join(root, "chunk-{chunk}"))
     for c in range(chunks):
         create_chunk_file(geometry.chunk_path(c), geometry.chunk_file_bytes, 0o600, None)
-    return ArenaBlocks(ArenaMapping(geometry), SHAPE, torch.float32, device)
+    return ArenaBlocks(ArenaMapping(geometry), shape, torch.float32, device)
 
 
 @pytest.fixture
@@ -46,8 +48,9 @@ def test_cpu_layers_are_copied_when_waited_for_and_the_rest_by_finish(arena: Are
     src = _stored(arena, ids, slots)
     kv = torch.zeros(12, *SHAPE)
     targets = [8, 4, 2, 6, 10]
-    loads = LayerLoads(kv.device)
-    assert LayerLoader(kv.device).load([GroupLoad(0, arena, kv, targets, slots)], loads) is None
+    loader = LayerLoader(kv.device)
+    loads = loader.new_step()
+    loader.load([GroupLoad(0, arena, kv, targets, slots)], loads)
     assert not loads.empty
     assert torch.count_nonzero(kv) == 0  # nothing before the step asks
     loads.wait_layer(0, 1)
@@ -55,7 +58,7 @@ def test_cpu_layers_are_copied_when_waited_for_and_the_rest_by_finish(arena: Are
     assert torch.count_nonzero(kv[:, 0]) == 0 and torch.count_nonzero(kv[:, 2]) == 0
     loads.wait_layer(1, 0)  # another group's layer: nothing of this group's
     assert torch.count_nonzero(kv[:, 0]) == 0
-    loads.finish()
+    assert loads.finish() is None  # CPU: nothing left in flight
     assert loads.empty and loads.copy_seconds > 0
     assert torch.equal(kv[targets], src[ids])
     untouched = [i for i in range(12) if i not in targets]
@@ -68,7 +71,8 @@ def test_two_groups_and_two_loads_in_one_step(arena: ArenaBlocks, tmp_path: Path
     src_a = _stored(arena, [1, 2, 3], [0, 1, 2])
     src_b = _stored(other, [4, 5], [7, 3])
     kv_a, kv_b = torch.zeros(12, *SHAPE), torch.zeros(12, *SHAPE)
-    loads, loader = LayerLoads(kv_a.device), LayerLoader(kv_a.device)
+    loader = LayerLoader(kv_a.device)
+    loads = loader.new_step()
     loader.load([GroupLoad(0, arena, kv_a, [9, 10], [0, 1]), GroupLoad(1, other, kv_b, [2], [3])], loads)
     loader.load([GroupLoad(0, arena, kv_a, [11], [2])], loads)
     for layer in range(SHAPE[0]):
@@ -81,12 +85,14 @@ def test_two_groups_and_two_loads_in_one_step(arena: ArenaBlocks, tmp_path: Path
 
 def test_bad_slots_raise_before_anything_is_copied(arena: ArenaBlocks) -> None:
     kv = torch.zeros(12, *SHAPE)
-    loads = LayerLoads(kv.device)
+    loader = LayerLoader(kv.device)
+    loads = loader.new_step()
     with pytest.raises(IndexError, match="slot 8 outside"):
-        LayerLoader(kv.device).load([GroupLoad(0, arena, kv, [1, 2], [0, 8])], loads)
+        loader.load([GroupLoad(0, arena, kv, [1, 2], [0, 8])], loads)
     assert loads.empty
     with pytest.raises(ValueError, match="2 blocks but 1 slots"):
-        LayerLoader(kv.device).load([GroupLoad(0, arena, kv, [1, 2], [0])], loads)
+        loader.load([GroupLoad(0, arena, kv, [1, 2], [0])], loads)
+    assert loads.empty
 
 
 @pytest.fixture
@@ -96,14 +102,18 @@ def shm() -> Iterator[str]:
     shutil.rmtree(root, ignore_errors=True)
 
 
+GPU_SHAPE = (10, 2, 4, 2, 8)  # more layers than are issued ahead of the step's waits
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["runs", "scattered", "runs-across-chunks"])
-def test_cuda_layer_events_order_each_layer(shm: str, kind: str) -> None:
+@pytest.mark.parametrize("waits", ["every-layer", "three-then-finish"])
+def test_cuda_layer_events_order_each_layer(shm: str, kind: str, waits: str) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     dev = torch.device("cuda")
-    arena = _arena(shm, dev, slots_per_chunk=16, chunks=2)
-    src = torch.randn(64, *SHAPE, device=dev)
+    arena = _arena(shm, dev, slots_per_chunk=16, chunks=2, shape=GPU_SHAPE)
+    src = torch.randn(64, *GPU_SHAPE, device=dev)
     n = 12
     ids = list(range(40, 40 + n))
     slots = {"runs": list(range(2, 2 + n)), "runs-across-chunks": list(range(10, 10 + n)),
@@ -112,18 +122,21 @@ def test_cuda_layer_events_order_each_layer(shm: str, kind: str) -> None:
     torch.cuda.synchronize()
     kv = torch.zeros_like(src)
     targets = list(range(5, 5 + n)) if kind != "scattered" else [1, 4, 6, 10, 12, 14, 20, 39, 24, 25, 26, 50]
-    loads, loader = LayerLoads(dev), LayerLoader(dev)
-    done = loader.load([GroupLoad(0, arena, kv, targets, slots)], loads)
-    assert done is not None
-    # Each layer as the step would see it: a stream that waited for that layer only.
+    loader = LayerLoader(dev)
+    loads = loader.new_step()
+    loader.load([GroupLoad(0, arena, kv, targets, slots)], loads)
+    # Each layer as the step would see it: a stream that waited for that layer only (the
+    # later layers are issued from these waits, or by finish for those never waited for).
     seen = []
-    for layer in range(SHAPE[0]):
+    for layer in range(GPU_SHAPE[0] if waits == "every-layer" else 3):
         loads.wait_layer(0, layer)
         seen.append(kv[targets, layer].clone())
-    loads.finish()
+    done = loads.finish()
+    assert done is not None and loads.empty
+    done.synchronize()
     torch.cuda.synchronize()
-    for layer in range(SHAPE[0]):
-        assert torch.equal(seen[layer], src[ids, layer])
+    for layer, got in enumerate(seen):
+        assert torch.equal(got, src[ids, layer])
     assert torch.equal(kv[targets], src[ids])
     untouched = [i for i in range(64) if i not in targets]
     assert torch.count_nonzero(kv[untouched]) == 0
