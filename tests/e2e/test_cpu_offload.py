@@ -53,6 +53,7 @@ class Case:
     dtype: str
     prompt_len: int
     logits_atol: float
+    enforce_eager: bool = False
 
 
 # Prefill of ~1000 tokens through 4 layers of width 512 costs ~150-400 ms on 2 CPU cores; a CPU
@@ -69,6 +70,9 @@ CASES = [
                  id="gpu-1b", marks=pytest.mark.gpu),
     pytest.param(Case("1b-hybrid", TinyModelSpec(**_1B, hybrid=True, sliding_window=1024), "cuda",  # type: ignore[arg-type]
                       "float32", 4096, 1e-3), id="gpu-1b-hybrid", marks=pytest.mark.gpu),
+    # Every step eager: the layer-by-layer load is waited for by the eager attention backend.
+    pytest.param(Case("1b-eager", TinyModelSpec(**_1B), "cuda", "float32", 4096, 1e-3, enforce_eager=True),  # type: ignore[arg-type]
+                 id="gpu-1b-eager", marks=pytest.mark.gpu),
 ]
 
 
@@ -141,7 +145,7 @@ def stack(
     blocks = case.prompt_len // BS * 3 + 8
     llm = LLM(str(model), event_sink=sink, connector=conn, device=case.device,
               dtype=case.dtype, num_gpu_blocks=blocks, max_num_batched_tokens=case.prompt_len + BS,
-              max_model_len=case.prompt_len + 64)
+              max_model_len=case.prompt_len + 64, enforce_eager=case.enforce_eager)
     yield Stack(case, daemon, sub, llm, conn, sink, cpu_stored)
     conn.close()
     sink.close()
