@@ -5,10 +5,12 @@ and the step that follows reads layer i only in its layer i. Waiting for the who
 the step would put the copy (bytes at the PCIe limit) and the step's compute end to end; loading
 layer by layer lets them overlap, so a hit costs about the copy plus one layer of compute.
 
-- CUDA: the copies run on a load stream, ordered after the work enqueued so far, layer 0 of
-  every block first; one event per layer is recorded once that layer of every block is in
-  place. The step waits on each layer's event right before the layer (the eager attention
-  backend, or between per-layer CUDA graph segments: engine.step_graphs). Per layer, blocks
+- CUDA: the copies run on two load streams (layers alternate), ordered after the work enqueued
+  so far, layer 0 of every block first; one event per layer is recorded once that layer of
+  every block is in place. The step waits on each layer's event right before the layer (the
+  eager attention backend, or between per-layer CUDA graph segments: engine.step_graphs). The
+  first ``LOOKAHEAD_LAYERS`` layers are issued at admission and each wait issues one more, so
+  the host launches the step's first layers right after the first copies. Per layer, blocks
   whose slots and GPU block ids both follow on go as one 2-D DMA copy per run
   (``cudaMemcpy2DAsync``: rows of one layer's bytes, pitched by the block's bytes on both
   sides); scattered ones as one gather kernel through the mapped arena.
@@ -92,9 +94,12 @@ class _GroupPlan:
         self.dma_runs = [(arena.host_chunk(c).data_ptr() + s * self.block_bytes,
                           kv.data_ptr() + b * self.block_bytes, n) for c, s, b, n in runs] if self.dma else []
         # Gather path: per chunk, the source as [slots, layers, elements] (the device alias on
-        # CUDA) and the two index tensors, made once for every layer.
+        # CUDA) and the two index tensors, made once for every layer. On CUDA the indices are
+        # uploaded on the current stream, which the load streams wait for (LayerLoads.add).
         self._gathers: list[tuple[Tensor, Tensor, Tensor]] = []
         self._dst: Tensor | None = None
+        if not self.dma:
+            self._prepare_gathers()
 
     def _prepare_gathers(self) -> None:
         kv, arena = self.load.kv, self.load.arena
@@ -118,8 +123,6 @@ class _GroupPlan:
                 if err != 0:
                     raise RuntimeError(f"cudaMemcpy2DAsync of layer {li} failed: error {err}")
             return
-        if self._dst is None:
-            self._prepare_gathers()
         assert self._dst is not None
         dst = self._dst[:, li]
         for src, local, ids in self._gathers:
@@ -166,8 +169,10 @@ class LayerLoads:
         if not self.is_cuda or not pending:
             self._pending.extend(pending)
             return
+        # Every load of the step orders the load streams after the current stream: the fresh
+        # blocks may still be read by work enqueued before, and the plan's own index uploads.
+        self.loader.start(timing if not self._pending else None)
         if not self._pending:
-            self.loader.start(timing)
             self._timing = timing
         self._pending.extend(pending)
         for x in pending:  # catch up with the plans added earlier in this step
@@ -266,8 +271,8 @@ class LayerLoader:
         into.add(plans, timing)
 
     def start(self, timing: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
-        """Before a step's first copy: order the load streams after the work enqueued so far
-        (the fresh blocks may still be read by a step that freed them)."""
+        """Before a load's first copy: order the load streams after the work enqueued so far
+        (a step that freed the fresh blocks may still read them; the plan's index uploads)."""
         current = torch.cuda.current_stream(self.device)
         for st in self._streams:
             st.wait_stream(current)

@@ -121,12 +121,12 @@ class _GridAttention:
 
     def __init__(
         self, groups: list[KVCacheGroup], layer_slots: dict[int, tuple[int, int]], shape: GridShape,
-        rows: list[Tensor], gathers: list[Tensor], masks: list[Tensor],
+        rows: list[Tensor], gathers: list[Tensor], hidden: list[Tensor],
     ) -> None:
         self.layer_slots, self.shape = layer_slots, shape
         self.caches = [g.tensor for g in groups]
         self.flat = [t.view(-1, *t.shape[-2:]) for t in self.caches]
-        self.rows, self.gathers, self.masks = rows, gathers, masks
+        self.rows, self.gathers, self.hidden = rows, gathers, hidden
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         g, li = self.layer_slots[layer_idx]
@@ -146,13 +146,22 @@ class _GridAttention:
         nb = kv.shape[0] // r
         kv = kv.view(r, nb, 2, -1, hkv, d).permute(2, 0, 4, 1, 3, 5).reshape(2, r * hkv, -1, d)
         keys, values = kv[0], kv[1]
-        qg = q.view(r, nq, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(r * hkv, rep * nq, d)
-        scores = _bmm_f32(qg, keys.transpose(1, 2)).mul_(d**-0.5).view(r, hkv, rep, nq, -1)
-        scores.masked_fill_(~self.masks[g][:, :, None], float("-inf"))  # mask [R, 1, Q, K]
+        scale = d**-0.5
+        grouped = q.view(r, nq, hkv, rep, d).permute(0, 2, 3, 1, 4)
+        exact = math.frexp(scale)[0] == 0.5  # a power of two: scaling q first is exact
+        if exact:  # one kernel that groups and scales
+            qg = torch.mul(grouped, scale, out=q.new_empty((r, hkv, rep, nq, d))).view(r * hkv, rep * nq, d)
+        else:
+            qg = grouped.reshape(r * hkv, rep * nq, d)
+        scores = _bmm_f32(qg, keys.transpose(1, 2))
+        if not exact:
+            scores.mul_(scale)
+        scores = scores.view(r, hkv, rep, nq, -1)
+        scores.masked_fill_(self.hidden[g][:, :, None], float("-inf"))  # [R, 1, Q, K], True = hidden
         # As flash attention does: float32 scores and softmax, probabilities in the KV dtype
-        # for the second GEMM, float32 accumulation.
+        # for the second GEMM, float32 accumulation rounded once to the KV dtype.
         probs = torch.softmax(scores, dim=-1).to(values.dtype).view(r * hkv, rep * nq, -1)
-        out = _bmm_f32(probs, values).view(r, hkv, rep, nq, d)
+        out = torch.bmm(probs, values).view(r, hkv, rep, nq, d)
         return out.permute(0, 3, 1, 2, 4).reshape(r * nq, hkv * rep, d).to(q.dtype)
 
 
@@ -338,7 +347,7 @@ class StepGraphs:
         slot = torch.arange(q, device=dev)
         q_pos = start[:, None] + slot[None, :]  # [R, Q]
         q_valid = slot[None, :] < count[:, None]
-        rows, gathers, masks = [], [], []
+        rows, gathers, hidden = [], [], []
         for g, group in enumerate(self.groups):
             nb, layers = shape.blocks[g], int(group.tensor.shape[1])
             lo, gather = inputs.part(flat, f"lo{g}"), inputs.part(flat, f"gather{g}")
@@ -354,9 +363,10 @@ class StepGraphs:
             window = group.spec.sliding_window
             if window is not None:
                 allowed &= kv_pos > q_pos[:, :, None] - window
-            masks.append(torch.where(q_valid[:, :, None], allowed, keys == 0)[:, None])  # [R, 1, Q, K]
+            # Keys each query may not see, [R, 1, Q, K] (inverted once here, not per layer).
+            hidden.append(~torch.where(q_valid[:, :, None], allowed, keys == 0)[:, None])
             gathers.append(gather)
-        attn = _GridAttention(self.groups, self.layer_slots, shape, rows, gathers, masks)
+        attn = _GridAttention(self.groups, self.layer_slots, shape, rows, gathers, hidden)
         x, cos, sin = self.model.embed(ids, q_pos.reshape(-1))
         return x, cos, sin, attn, inputs.part(flat, "ends")
 

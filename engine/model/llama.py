@@ -56,9 +56,12 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     return inv
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """Rope: ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) * sin`` as the halves of
+    ``x`` swapped times ``signed_sin`` (sin with its first half negated; both halves of sin are
+    equal). Negation is exact, so this is bit for bit the reference's result, in one kernel
+    fewer (roll, not neg + cat)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -81,15 +84,15 @@ class Attention(nn.Module):
             qkv = F.linear(x, *self.qkv)
             # Rope on q and k at once (the same elementwise ops on every head, half the kernels).
             qk = qkv[:, : nq + nkv].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = _rotate(qk, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, nq + nkv :].view(t, self.num_kv_heads, self.head_dim)
         else:
             q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
             k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
             v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = _rotate(q, cos, sin)
+            k = _rotate(k, cos, sin)
         out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -144,14 +147,15 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        # cos/sin in float32 (as the reference does), cast to the activation dtype; [T, 1, D].
+        """cos and signed sin (first half negated, see _rotate), ``[T, 1, D]``: computed in
+        float32 (as the reference does), cast to the activation dtype."""
         inv_freq: Tensor = self.inv_freq  # type: ignore[assignment]
         freqs = positions.float()[:, None] * inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        sin = freqs.sin()
+        return torch.cat((freqs, freqs), dim=-1).cos().to(dtype)[:, None, :], torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
 
     def embed(self, input_ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """What the first layer takes: token embeddings, and rope's cos and sin."""
+        """What the first layer takes: token embeddings, rope's cos and signed sin."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         return x, cos, sin
