@@ -144,3 +144,51 @@ def test_cuda_layer_events_order_each_layer(shm: str, kind: str, waits: str) -> 
     assert loader.issued == ({"kernel": 1} if kind == "scattered" else {"dma": 1})
     arena.close()
     arena.mapping.close()
+
+
+@pytest.mark.gpu
+def test_cuda_two_loads_two_groups_in_one_step_then_the_next_step(shm: str) -> None:
+    """Two requests' loads in one step (the second added after the first issued its first
+    layers), one group by DMA and one by the gather kernel, the step waiting on every layer of
+    both groups; then a second step on the same loader (its per-layer events recorded again)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    os.mkdir(os.path.join(shm, "a"))
+    os.mkdir(os.path.join(shm, "b"))
+    arena_a = _arena(os.path.join(shm, "a"), dev, slots_per_chunk=16, chunks=2, shape=GPU_SHAPE)
+    arena_b = _arena(os.path.join(shm, "b"), dev, slots_per_chunk=16, chunks=2, shape=GPU_SHAPE)
+    src = torch.randn(64, *GPU_SHAPE, device=dev)
+    arena_a.write(arena_a.gather(src, list(range(10, 22))), list(range(0, 12)))  # runs
+    arena_b.write(arena_b.gather(src, [40, 41, 42, 43]), [30, 3, 17, 9])  # scattered
+    torch.cuda.synchronize()
+    kv_a, kv_b = torch.zeros_like(src), torch.zeros_like(src)
+    loader = LayerLoader(dev)
+    loads = loader.new_step()
+    loader.load([GroupLoad(0, arena_a, kv_a, list(range(30, 38)), list(range(0, 8))),
+                 GroupLoad(1, arena_b, kv_b, [50, 51], [30, 3])], loads)
+    loader.load([GroupLoad(0, arena_a, kv_a, list(range(45, 49)), list(range(8, 12))),
+                 GroupLoad(1, arena_b, kv_b, [52, 53], [17, 9])], loads)
+    seen_a, seen_b = [], []
+    for layer in range(GPU_SHAPE[0]):  # a hybrid model's layers alternate between the groups
+        loads.wait_layer(0, layer)
+        seen_a.append(kv_a[[*range(30, 38), *range(45, 49)], layer].clone())
+        loads.wait_layer(1, layer)
+        seen_b.append(kv_b[50:54, layer].clone())
+    done = loads.finish()
+    assert done is not None
+    done.synchronize()
+    for layer in range(GPU_SHAPE[0]):
+        assert torch.equal(seen_a[layer], src[10:22, layer])
+        assert torch.equal(seen_b[layer], src[40:44, layer])
+    assert loader.issued == {"dma": 2, "kernel": 2}
+    # The next step: the same events recorded again, new blocks.
+    loader.load([GroupLoad(0, arena_a, kv_a, list(range(2, 14)), list(range(0, 12)))], loads)
+    for layer in range(GPU_SHAPE[0]):
+        loads.wait_layer(0, layer)
+    assert loads.finish() is not None
+    torch.cuda.synchronize()
+    assert torch.equal(kv_a[2:14], src[10:22])
+    for arena in (arena_a, arena_b):
+        arena.close()
+        arena.mapping.close()
