@@ -284,6 +284,27 @@ def _breakdown(llm: Any, conn: Any, prompt: list[int], params: Any, reps: int = 
     return out
 
 
+def _lookup_rpc(llm: Any, conn: Any, prompt: list[int], reps: int = 30) -> dict[str, float]:
+    """The lookup RPC made apart from the engine's step, medians in ms: 1 key (the gRPC floor),
+    every full block of the prompt without pins, and with pins (each lease released after)."""
+    from offloadd.client import GroupQuery
+
+    keys = tuple(llm.engine.hasher.hash_blocks(prompt))
+    engine_id, client = conn.config.engine_id, conn.client
+    out: dict[str, float] = {}
+    for name, ks, pin in (("1_key", keys[:1], False), ("all_keys", keys, False), ("all_keys_pinned", keys, True)):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            got = client.lookup(engine_id, [GroupQuery(0, ks, True)], pin=pin)
+            times.append(time.perf_counter() - t0)
+            if got.lease_id:
+                client.release(engine_id, got.lease_id)
+        out[name] = statistics.median(times) * 1e3
+    print("--- lookup RPC apart from the step (ms, median): " + json.dumps({k: round(v, 3) for k, v in out.items()}))
+    return out
+
+
 def _decode_step(llm: Any, prompt: list[int], reps: int = 3) -> float:
     """Seconds of one decode step at batch 1 after this prompt: the median wall time of the
     engine's decode steps in ``reps`` generations of 17 tokens (GPU hits of the same prompt;
@@ -369,6 +390,9 @@ def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir:
         conn.flush()
         decode_s = _decode_step(llm, prompt)
         stages = _breakdown(llm, conn, prompt, params)
+        llm.generate(prompt, params)
+        conn.flush()  # the prompt's blocks are all in the host tier
+        rpc = _lookup_rpc(llm, conn, prompt)
         if profile:
             _profile(llm, conn, rng, vocab, prompt_len, params)
         med = {k: statistics.median(v) for k, v in times.items()}
@@ -378,7 +402,7 @@ def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir:
                                       iters=iters, kv_bytes=kv_bytes, eager=graphs is None, layerwise=layerwise,
                                       graph_steps=graphs.steps if graphs else 0,
                                       graph_captures=graphs.captures if graphs else 0,
-                                      decode_step_ms=decode_s * 1e3, host_stages_ms=stages,
+                                      decode_step_ms=decode_s * 1e3, host_stages_ms=stages, lookup_rpc_ms=rpc,
                                       **{f"{k}_ms": v * 1e3 for k, v in med.items()},
                                       cold_over_cpu_hit=med["cold"] / med["cpu_hit"],
                                       cpu_hit_wins=sum(c > h for c, h in zip(times["cold"], times["cpu_hit"], strict=True)),
