@@ -160,8 +160,45 @@ def bandwidth(device: torch.device, num_blocks: int, block_shape: tuple[int, ...
                          correct=ok))
         arena.close()
         arena.mapping.close()
+    rows += _layer_loads(kv, ids, scattered, runs, geometry, block_shape, dtype, device, reps, rng,
+                         nbytes, limit_store, limit_load)
     for c in range(nchunks):
         os.unlink(geometry.chunk_path(c))
+    return rows
+
+
+def _layer_loads(kv: torch.Tensor, ids: list[int], scattered: list[int], runs: list[int], geometry: Any,
+                 block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, reps: int,
+                 rng: random.Random, nbytes: int, limit_store: float, limit_load: float) -> list[dict[str, Any]]:
+    """The layer-by-layer load as the engine issues it (engine.offload_layerwise, every layer
+    issued and then waited for): scattered slots into random block ids (one gather kernel per
+    layer), and a run of slots into a run of block ids, as fresh blocks are handed out (one 2-D
+    DMA copy per layer)."""
+    from engine.offload_layerwise import GroupLoad, LayerLoader
+
+    arena = ArenaBlocks(ArenaMapping(geometry), block_shape, dtype, device)
+    loader = LayerLoader(device)
+    first = rng.randrange(1, kv.shape[0] - len(ids) + 1)
+    rows = []
+    for slot_kind, slots, dst_ids in (("scattered", scattered, ids), ("runs", runs, list(range(first, first + len(ids))))):
+        arena.write(arena.gather(kv, ids), slots)
+        dst = torch.zeros_like(kv)
+
+        def load_all(s: list[int] = slots, d: list[int] = dst_ids, out: torch.Tensor = dst) -> None:
+            loads = loader.new_step()
+            loader.load([GroupLoad(0, arena, out, d, s)], loads)
+            loads.finish()
+
+        load = nbytes / _timed(load_all, device, reps)
+        rows.append(dict(mode="layers", mode_used="/".join(sorted(loader.issued)), knobs={}, slots=slot_kind,
+                         blocks=len(ids), block_bytes=nbytes // len(ids), bytes=nbytes,
+                         store_GBps=float("nan"), load_GBps=load / 1e9,
+                         limit_store_GBps=limit_store / 1e9, limit_load_GBps=limit_load / 1e9,
+                         store_ratio=float("nan"), load_ratio=load / limit_load,
+                         correct=torch.equal(dst[dst_ids], kv[ids])))
+        loader.issued.clear()
+    arena.close()
+    arena.mapping.close()
     return rows
 
 
