@@ -3,8 +3,8 @@
 The scheduler calls ``lookup``/``load`` on admission, after the GPU prefix-cache hit; the engine
 takes the loads still in flight (``take_layer_waits``) and runs the step waiting for each layer's
 load right before that layer, then calls ``store`` with the blocks that became full and got their
-hash in the step, and ``request_finished`` when a request leaves. The real connector (engine/connector.py) talks to
-offloadd; the engine core only knows this protocol.
+hash in the step, and ``request_finished`` when a request leaves. The real connector
+(engine/connector.py) talks to offloadd; the engine core only knows this protocol.
 """
 
 from __future__ import annotations

@@ -64,11 +64,12 @@ class GridRow:
 
 
 class _Inputs:
-    """The static int64 inputs of one shape, written by the host into one buffer per step.
+    """The static inputs of one shape: one int32 buffer the host rewrites each step, read by
+    the step as one int64 tensor (:meth:`flat`).
 
     On CUDA the buffer is pinned host memory that the step reads itself, over PCIe, with one
-    conversion kernel (to int64) at its start: no copy-engine work, so a step never queues
-    behind the DMA copies of a load it overlaps (engine.offload_layerwise). Values are int32."""
+    conversion kernel at its start: no copy-engine work, so a step never queues behind the DMA
+    copies of a load it overlaps (engine.offload_layerwise)."""
 
     def __init__(self, shape: GridShape, device: torch.device) -> None:
         r, q = shape.rows, shape.queries
