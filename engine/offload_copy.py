@@ -180,9 +180,6 @@ class ArenaBlocks:
 
     def index(self, values: Sequence[int] | Tensor, device: torch.device) -> Tensor:
         """An int64 index tensor on ``device`` (from pinned memory on CUDA)."""
-        return self._index(values, device)
-
-    def _index(self, values: Sequence[int] | Tensor, device: torch.device) -> Tensor:
         t = values if isinstance(values, Tensor) else torch.tensor(list(values), dtype=torch.long)
         if device.type == "cuda" and not t.is_cuda:
             # From pinned memory: a copy from pageable memory may wait for the stream's earlier
@@ -194,14 +191,14 @@ class ArenaBlocks:
 
     def gather(self, kv: Tensor, block_ids: Sequence[int]) -> Tensor:
         """Snapshot blocks into a new tensor: after this (in stream order) the blocks may be reused."""
-        return self._flat(kv).index_select(0, self._index(block_ids, kv.device))
+        return self._flat(kv).index_select(0, self.index(block_ids, kv.device))
 
     def write(self, staging: Tensor, slots: Sequence[int]) -> None:
         """``slot[slots[i]] = staging[i]``; on CUDA enqueued on the current stream."""
         if not slots:
             return
         for b in self._by_chunk(slots):
-            rows = staging if b.positions is None else staging[self._index(b.positions, staging.device)]
+            rows = staging if b.positions is None else staging[self.index(b.positions, staging.device)]
             host = self.host_chunk(b.chunk)
             if not self.is_cuda:
                 host.index_copy_(0, b.local, rows)
@@ -214,13 +211,13 @@ class ArenaBlocks:
         srt, order = torch.sort(local)
         k, n, dev = self._dma_count(srt), len(srt), rows.device
         if k == 0:
-            self.device_chunk(chunk).index_copy_(0, self._index(local, dev), rows)
+            self.device_chunk(chunk).index_copy_(0, self.index(local, dev), rows)
             return
         # ``rows`` stays referenced until the join: the DMA streams read it.
         if k == n:
             # All by DMA: reorder the rows by slot so that adjacent slots make one copy.
             if not torch.equal(order, torch.arange(n)):
-                rows = rows[self._index(order, dev)]
+                rows = rows[self.index(order, dev)]
             rows = rows.contiguous()
             self._dma.copy(host, rows, srt, torch.arange(n), to_host=True)
         else:
@@ -228,8 +225,8 @@ class ArenaBlocks:
             # both follow on) while the kernel moves the rest on the current stream.
             rows = rows.contiguous()
             self._dma.copy(host, rows, srt[:k], order[:k], to_host=True)
-            rest = self._index(order[k:], dev)
-            self.device_chunk(chunk).index_copy_(0, self._index(srt[k:], dev), rows[rest])
+            rest = self.index(order[k:], dev)
+            self.device_chunk(chunk).index_copy_(0, self.index(srt[k:], dev), rows[rest])
         self._dma.join()
 
     # -- load: slots -> KV tensor, one scatter per chunk --------------------------------
@@ -251,14 +248,14 @@ class ArenaBlocks:
             else:
                 self._read_cuda(kv, b.chunk, host, ids, b.local)
                 continue
-            self._flat(kv).index_copy_(0, self._index(ids, kv.device), src)
+            self._flat(kv).index_copy_(0, self.index(ids, kv.device), src)
 
     def _read_cuda(self, kv: Tensor, chunk: int, host: Tensor, ids: Tensor, local: Tensor) -> None:
         srt, order = torch.sort(local)
         k, n, flat = self._dma_count(srt), len(srt), self._flat(kv)
         if k == 0:
-            src = self.device_chunk(chunk).index_select(0, self._index(local, kv.device))
-            flat.index_copy_(0, self._index(ids, kv.device), src)
+            src = self.device_chunk(chunk).index_select(0, self.index(local, kv.device))
+            flat.index_copy_(0, self.index(ids, kv.device), src)
             return
         ids = ids[order]
         # The DMA fills a staging tensor in slot order (so adjacent slots make one copy) on
@@ -266,10 +263,10 @@ class ArenaBlocks:
         staging = torch.empty((k, host.shape[1]), dtype=self.wide, device=kv.device)
         self._dma.copy(host, staging, srt[:k], torch.arange(k), to_host=False)
         if k < n:
-            rest = self.device_chunk(chunk).index_select(0, self._index(srt[k:], kv.device))
-            flat.index_copy_(0, self._index(ids[k:], kv.device), rest)
+            rest = self.device_chunk(chunk).index_select(0, self.index(srt[k:], kv.device))
+            flat.index_copy_(0, self.index(ids[k:], kv.device), rest)
         self._dma.join()
-        flat.index_copy_(0, self._index(ids[:k], kv.device), staging)
+        flat.index_copy_(0, self.index(ids[:k], kv.device), staging)
 
     def _scratch(self, rows: int, cols: int) -> Tensor:
         """A reused CPU buffer: a fresh large tensor per load costs its page faults, which

@@ -219,11 +219,8 @@ class LayerLoads:
             self._pending.clear()
             return None
         self._issue_upto(max(x.plan.layers for x in self._pending))
-        current = torch.cuda.current_stream(self.device)
-        for ev in self._events.values():
-            current.wait_event(ev)
-        done = self.loader.join(self._timing)
-        current.wait_event(done)
+        done = self.loader.join(self._timing)  # after every copy on both load streams
+        torch.cuda.current_stream(self.device).wait_event(done)
         self._events.clear()
         self._pending.clear()  # new allocations on any stream now follow the copies
         self._issued_upto = 0

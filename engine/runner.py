@@ -181,12 +181,14 @@ class ModelRunner:
         # Keys per row rounded up to a multiple of 64 (and whole blocks): aligned for the
         # memory-efficient kernel's mask, and few shapes.
         self._blocks_multiple = 64 // math.gcd(64, self.block_size)
+        # Model layer -> (group index, layer in the group's tensor), for the per-layer load waits.
+        self._layer_groups = {layer: (groups[g].spec.group_idx, li) for layer, (g, li) in layer_slots.items()}
 
     def _layer_wait(self, waits: LayerWaits | None) -> Callable[[int], None] | None:
         """``wait(layer_idx)`` over model layers, from the connector's per-group waits."""
         if waits is None:
             return None
-        where = {layer: (self.groups[g].spec.group_idx, li) for layer, (g, li) in self.layer_slots.items()}
+        where = self._layer_groups
         return lambda layer: waits.wait_layer(*where[layer])
 
     @torch.inference_mode()
