@@ -43,7 +43,8 @@ from offloadd.tls import ClientSecurity
 __all__ = [
     "ArenaGeometry", "ArenaMapping", "AsyncOffloadClient", "BlockData", "BlockToStore",
     "ClientSecurity", "CommitOutcome", "EngineRegistration", "GroupArenaInfo", "GroupHit",
-    "GroupQuery", "GroupSpec", "IngestStream", "LookupOutcome", "OffloadClient", "OffloadClientError",
+    "GroupQuery", "GroupSpec", "IngestStream", "LookupFuture", "LookupOutcome", "OffloadClient",
+    "OffloadClientError",
     "OffloadUnavailable", "ReserveOutcome", "ReserveStatus", "RetryPolicy", "StoreStats",
 ]
 
@@ -116,6 +117,27 @@ async def _call_async(
             await asyncio.sleep(delay)
 
 
+class LookupFuture:
+    """A Lookup in flight (``OffloadClient.lookup_future``): not retried, since its caller
+    falls back to asking again on any failure."""
+
+    def __init__(self, call: grpc.Future) -> None:
+        self._call = call
+
+    def done(self) -> bool:
+        return bool(self._call.done())
+
+    def result(self, timeout: float | None = None) -> LookupOutcome:
+        """The answer; raises OffloadClientError (OffloadUnavailable for network failures)."""
+        try:
+            return codec.lookup_from(self._call.result(timeout=timeout))
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
+        except grpc.FutureTimeoutError as exc:
+            raise OffloadUnavailable(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     f"no Lookup answer within {timeout} s") from exc
+
+
 class OffloadClient:
     """Blocking client; ``target`` is ``host:port`` or ``unix:/path``. ``credentials`` (see
     offloadd.tls.ClientSecurity.from_files) turn TLS on; ``token`` is sent as a bearer token."""
@@ -141,6 +163,12 @@ class OffloadClient:
                lease_ms: int = 0) -> LookupOutcome:
         req = codec.lookup_request(engine_id, queries, pin, lease_ms)
         return codec.lookup_from(self._do(self._store.Lookup, req, read=not pin))
+
+    def lookup_future(self, engine_id: str, queries: Sequence[GroupQuery], pin: bool = False,
+                      lease_ms: int = 0) -> LookupFuture:
+        """``lookup`` without waiting for the answer (sent now, on gRPC's own threads)."""
+        req = codec.lookup_request(engine_id, queries, pin, lease_ms)
+        return LookupFuture(self._store.Lookup.future(req, timeout=self.timeout_s))
 
     def reserve(self, engine_id: str, group_idx: int, blocks: Sequence[BlockToStore],
                 lease_ms: int = 0, lora_name: str | None = None) -> ReserveOutcome:

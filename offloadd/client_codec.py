@@ -83,7 +83,8 @@ def lookup_request(
 
 def lookup_from(resp: offload_pb2.LookupResponse) -> LookupOutcome:
     return LookupOutcome(
-        tuple(GroupHit(r.group_idx, r.num_prefix, tuple(r.slots)) for r in resp.results),
+        tuple(GroupHit(r.group_idx, r.num_prefix, tuple(r.slots), tuple(r.generations))
+              for r in resp.results),
         resp.lease_id, resp.lease_expires_unix_ms,
     )
 
@@ -106,6 +107,7 @@ def reserve_from(resp: offload_pb2.ReserveResponse) -> ReserveOutcome:
         resp.reservation_id,
         tuple((ReserveStatus(r.status), r.slot) for r in resp.blocks),
         resp.lease_expires_unix_ms,
+        tuple(r.generation for r in resp.blocks),
     )
 
 

@@ -32,6 +32,7 @@ class SlotEntry:
     checksum: int = 0
     pins: int = 0
     verified: bool = True  # False after a restart until its bytes were checked against checksum
+    generation: int = 0  # this assignment of the slot (HostStore.next_generation); 0: none
 
 
 class LayoutIndex:

@@ -41,6 +41,7 @@ class GroupHit:
     group_idx: int
     num_prefix: int
     slots: tuple[int, ...]  # one per hash looked at; -1 where not ready
+    generations: tuple[int, ...] = ()  # per slot, its assignment (0 where -1; empty: not sent)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class ReserveOutcome:
     reservation_id: str  # empty when nothing was reserved
     blocks: tuple[tuple[ReserveStatus, int], ...]  # (status, slot or -1), in request order
     lease_expires_unix_ms: int
+    generations: tuple[int, ...] = ()  # per block, the slot's assignment; 0 unless reserved
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,7 @@ async def _restore_blocks(store: HostStore, persisted: Persisted) -> int:
             # any Lookup or ReadBlocks returns the block: unverified blocks are never served.
             restored[digest] = SlotEntry(
                 slot, BlockState.READY, pb.parent, pb.token_ids, pb.extra_keys, pb.lora_name,
-                "", pb.checksum, 0, False,
+                "", pb.checksum, 0, False, store.next_generation(),
             )
             unverified.append((layout_id, digest))
             ok_here.add(wire)

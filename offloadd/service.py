@@ -157,7 +157,8 @@ class Servicers:
         out = self.store.lookup(req.engine_id, queries, req.pin, req.lease_ms)
         return offload_pb2.LookupResponse(
             results=[offload_pb2.GroupResult(group_idx=r.group_idx, num_prefix=r.num_prefix,
-                                             slots=r.slots) for r in out.results],
+                                             slots=r.slots, generations=r.generations)
+                     for r in out.results],
             lease_id=out.lease_id, lease_expires_unix_ms=out.lease_expires_unix_ms,
         )
 
@@ -169,7 +170,8 @@ class Servicers:
         )
         return offload_pb2.ReserveResponse(
             reservation_id=out.reservation_id,
-            blocks=[offload_pb2.Reservation(status=int(s), slot=slot) for s, slot in out.blocks],  # type: ignore[arg-type]
+            blocks=[offload_pb2.Reservation(status=int(s), slot=slot, generation=gen)  # type: ignore[arg-type]
+                    for (s, slot), gen in zip(out.blocks, out.generations, strict=True)],
             lease_expires_unix_ms=out.lease_expires_unix_ms,
         )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 from events.state import CacheState
@@ -56,6 +57,15 @@ class HostStore:
         self.evictions = 0
         self.corrupt: set[tuple[int, bytes]] = set()  # failed their checksum, removal pending
         self.unverified: list[tuple[int, bytes]] = []  # restored at start, not yet checked
+        # Seeded from the wall clock (us): a restarted daemon never hands out a generation its
+        # predecessor did (it would take a million assignments a second to catch up).
+        self._last_generation = time.time_ns() // 1000
+
+    def next_generation(self) -> int:
+        """A new slot assignment's generation: daemon-wide, strictly increasing, never 0. An
+        engine that read a slot it remembered checks the pin's answer against it."""
+        self._last_generation += 1
+        return self._last_generation
 
     # -- validation -----------------------------------------------------------------------
 
@@ -125,6 +135,7 @@ class HostStore:
         entries, touch, ready = index.entries, index.policy.touch, BlockState.READY
         verify = self.config.verify_on_load
         slots: list[int] = []
+        generations: list[int] = []
         num_prefix = 0
         in_prefix = True
         for d in q.block_hashes:
@@ -136,19 +147,21 @@ class HostStore:
                 entry = None
             if entry is None:
                 slots.append(-1)
+                generations.append(0)
                 self.misses += 1
                 in_prefix = False
                 if q.prefix_only:
                     break
                 continue
             slots.append(entry.slot)
+            generations.append(entry.generation)
             self.hits += 1
             num_prefix += in_prefix
             touch(d)
             if pin:
                 index.pin(d)
                 pinned.append((layout.layout_id, d))
-        return GroupHit(q.group_idx, num_prefix, tuple(slots))
+        return GroupHit(q.group_idx, num_prefix, tuple(slots), tuple(generations))
 
     def _verify(self, layout: Layout, digest: bytes) -> bool:
         """Check a READY block's bytes; a mismatch takes it out of service (removal logged by

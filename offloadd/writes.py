@@ -85,7 +85,9 @@ class StoreWriter:
         index = layout.index
         res: Reservation | None = None
         out: list[tuple[ReserveStatus, int]] = []
+        generations: list[int] = []
         for b in blocks:
+            generations.append(0)
             entry = index.entries.get(b.block_hash)
             if entry is not None:
                 if entry.state is BlockState.READY:
@@ -102,9 +104,10 @@ class StoreWriter:
                 res = self.store.leases.new_reservation(
                     engine_id, layout.layout_id, layout.record.group_idx, lora_name, ms
                 )
+            generations[-1] = self.store.next_generation()
             index.reserve(b.block_hash, slot, SlotEntry(
                 slot, BlockState.RESERVED, b.parent_block_hash, tuple(b.token_ids),
-                b.extra_keys, lora_name, owner=res.reservation_id,
+                b.extra_keys, lora_name, owner=res.reservation_id, generation=generations[-1],
             ))
             res.digests.append(b.block_hash)
             out.append((ReserveStatus.RESERVED, slot))
@@ -113,8 +116,8 @@ class StoreWriter:
                 f"no free slot in layout {layout.layout_id} and every block is pinned or reserved"
             )
         if res is None:
-            return ReserveOutcome("", tuple(out), 0)
-        return ReserveOutcome(res.reservation_id, tuple(out), wall_ms_after(ms))
+            return ReserveOutcome("", tuple(out), 0, tuple(generations))
+        return ReserveOutcome(res.reservation_id, tuple(out), wall_ms_after(ms), tuple(generations))
 
     # -- eviction -------------------------------------------------------------------------
 

@@ -173,3 +173,23 @@ def test_unverified_block_is_checked_before_it_is_served(
             assert found.results[0].num_prefix == 1999
     finally:
         proc.kill()
+
+
+def test_restart_keeps_slots_and_gives_new_generations(tmp_path: Path, redis_url: str, namespace: str) -> None:
+    """After a restart the blocks are where they were, under generations the old process never
+    handed out: an engine's view from before the restart does not pass for current."""
+    proc = DaemonProcess(tmp_path / "d", redis_url, namespace, capacity_bytes=8 * SLOT)
+    proc.start()
+    try:
+        with OffloadClient(proc.target) as c:
+            hashes = fill(c, 4)
+            q = [GroupQuery(0, tuple(hashes))]
+            before = c.lookup("e", q).results[0]
+            assert min(before.generations) > 0
+            proc.kill()
+            proc.restart()
+            after = c.lookup("e", q).results[0]
+            assert after.slots == before.slots
+            assert min(after.generations) > max(before.generations)
+    finally:
+        proc.kill()

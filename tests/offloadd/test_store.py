@@ -215,3 +215,47 @@ def test_reserve_does_not_evict_what_it_reports_stored(client: OffloadClient) ->
     assert [s for s, _ in res.blocks] == [ReserveStatus.ALREADY_STORED, ReserveStatus.RESERVED]
     removed = [e for r in client.subscribe(1) for e in r.events if isinstance(e, BlockRemoved)]
     assert removed == [BlockRemoved((to_wire(first[1].block_hash),), "CPU", 0)]
+
+
+def test_generations_name_each_assignment_of_a_slot(client: OffloadClient) -> None:
+    """Reserve and Lookup give each slot's generation: one assignment of that slot to that
+    block. A slot given again, even to the very block it held before, gets a new one: what an
+    engine that read a remembered slot checks the pin's answer against (engine.offload_view)."""
+    client.register_engine("e", 1, "m", [GROUP])
+    first = chain(16, salt="g")  # the arena's 16 slots
+    res = client.reserve("e", 0, first)
+    gens = res.generations
+    assert len(gens) == 16 and min(gens) > 0 and len(set(gens)) == 16
+    client.commit("e", res.reservation_id)
+    again = client.reserve("e", 0, first[:2])
+    assert [s for s, _ in again.blocks] == [ReserveStatus.ALREADY_STORED] * 2
+    assert again.generations == (0, 0)
+    hashes = tuple(b.block_hash for b in first)
+    hit = client.lookup("e", [GroupQuery(0, (*hashes, digest(99, "missing")), prefix_only=False)]).results[0]
+    assert hit.generations == (*gens, 0)
+    assert hit.slots[:16] == tuple(slot for _, slot in res.blocks)
+    slot0 = res.blocks[0][1]
+    client.lookup("e", [GroupQuery(0, hashes[1:])])  # first[0] is now the least recently used
+    assert _store(client, "e", chain(1, salt="other")) == [slot0]
+    assert client.lookup("e", [GroupQuery(0, hashes[:1])]).results[0].slots == (-1,)
+    client.lookup("e", [GroupQuery(0, hashes[1:])])  # and now the other block is
+    assert _store(client, "e", first[:1]) == [slot0]
+    back = client.lookup("e", [GroupQuery(0, hashes[:1])]).results[0]
+    assert back.slots == (slot0,) and back.generations[0] > max(gens)
+
+
+def test_lookup_future_answers_as_lookup_does(client: OffloadClient) -> None:
+    """The Lookup an engine sends while it already loads (engine.offload_view): same answer,
+    same errors, from ``result()``."""
+    blocks = chain(3)
+    _store(client, "e", blocks)
+    q = [GroupQuery(0, tuple(b.block_hash for b in blocks), prefix_only=False)]
+    fut = client.lookup_future("e", q, pin=True)
+    got = fut.result(timeout=5)
+    assert fut.done()
+    assert got.results == client.lookup("e", q).results and got.lease_id
+    assert client.release("e", got.lease_id) == 3
+    with pytest.raises(OffloadClientError, match="not registered"):
+        client.lookup_future("nobody", q).result(timeout=5)
+    with pytest.raises(OffloadClientError, match="INVALID_ARGUMENT"):
+        client.lookup_future("e", [GroupQuery(0, (b"short",))]).result(timeout=5)

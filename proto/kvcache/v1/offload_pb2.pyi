@@ -73,14 +73,16 @@ class GroupQuery(_message.Message):
     def __init__(self, group_idx: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., prefix_only: _Optional[bool] = ...) -> None: ...
 
 class GroupResult(_message.Message):
-    __slots__ = ("group_idx", "num_prefix", "slots")
+    __slots__ = ("group_idx", "num_prefix", "slots", "generations")
     GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     group_idx: int
     num_prefix: int
     slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, group_idx: _Optional[int] = ..., num_prefix: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group_idx: _Optional[int] = ..., num_prefix: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("engine_id", "queries", "pin", "lease_ms")
@@ -131,7 +133,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., group_idx: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockToStore, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class Reservation(_message.Message):
-    __slots__ = ("status", "slot")
+    __slots__ = ("status", "slot", "generation")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[Reservation.Status]
@@ -146,9 +148,11 @@ class Reservation(_message.Message):
     STATUS_NO_SPACE: Reservation.Status
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     status: Reservation.Status
     slot: int
-    def __init__(self, status: _Optional[_Union[Reservation.Status, str]] = ..., slot: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, status: _Optional[_Union[Reservation.Status, str]] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "blocks", "lease_expires_unix_ms")
