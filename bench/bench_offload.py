@@ -280,7 +280,7 @@ def _breakdown(llm: Any, conn: Any, prompt: list[int], params: Any, reps: int = 
     e = llm.engine
     targets = [(e, "prepare_prompt"), (e, "add_prepared"), (e, "step"), (e.kv, "find_prefix_hit"),
                (e.kv, "allocate_for_admission"), (e.connector, "lookup"), (e.connector, "load"),
-               (e.connector.client, "lookup"),
+               (e.connector.client, "lookup"), (e.connector.client, "lookup_future"), (e.connector, "check_loads"),
                (e.runner, "execute"), (e.connector, "store"), (e.connector, "take_layer_waits"),
                (e, "_append_token"), (e, "_flush_events"),
                (e.kv, "register_full_blocks"), (e.scheduler, "schedule")]
@@ -378,7 +378,7 @@ def _decode_step(llm: Any, prompt: list[int], reps: int = 3) -> float:
 
 def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir: Path,
          limit_load_GBps: float | None, profile: bool = False, eager: bool = False,
-         layerwise: bool = True) -> dict[str, Any]:
+         layerwise: bool = True, speculate: bool = True) -> dict[str, Any]:
     from engine.connector import OffloadingConnector
     from engine.connector_config import OffloadConnectorConfig
     from engine.llm import LLM
@@ -398,7 +398,8 @@ def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir:
     daemon.args[daemon.args.index("--arena-dir") + 1] = str(daemon.arena_dir)
     daemon.start()
     try:
-        conn = OffloadingConnector(OffloadConnectorConfig(daemon.target, "bench-0", model, layerwise=layerwise))
+        conn = OffloadingConnector(OffloadConnectorConfig(daemon.target, "bench-0", model, layerwise=layerwise,
+                                                          speculate=speculate))
         dtype = "bfloat16" if device.type == "cuda" else "float32"
         llm = LLM(str(model_dir), connector=conn, device=str(device), dtype=dtype,
                   num_gpu_blocks=prompt_len // 16 * 2 + 16, max_num_batched_tokens=prompt_len + 64,
@@ -442,6 +443,7 @@ def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir:
         kv_bytes = kv_token_bytes * prompt_len
         result: dict[str, Any] = dict(model=model, device=str(device), prompt_len=prompt_len,
                                       iters=iters, kv_bytes=kv_bytes, eager=graphs is None, layerwise=layerwise,
+                                      speculate=speculate,
                                       graph_steps=graphs.steps if graphs else 0,
                                       graph_captures=graphs.captures if graphs else 0,
                                       decode_step_ms=decode_s * 1e3, host_stages_ms=stages, lookup_rpc_ms=rpc,
@@ -476,7 +478,8 @@ def main() -> None:
     p.add_argument("--engines", default="graphs",
                    help="ttft: comma-separated engine modes, run one after the other: graphs (default: small "
                         "steps replay CUDA graphs), eager (enforce_eager); a -whole suffix turns the "
-                        "layer-by-layer load off (the copy completes before the step)")
+                        "layer-by-layer load off (the copy completes before the step), an -ask suffix "
+                        "the speculative load (the copy waits for the pinning Lookup's answer)")
     p.add_argument("--limit-load-gbps", type=float, default=None,
                    help="pinned load limit for the TTFT bound when `bandwidth` is not run")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -512,11 +515,12 @@ def main() -> None:
         plen = a.prompt_len or (4096 if device.type == "cuda" else 1024)
         results["ttft"] = []
         for m, mode in [(m, e) for m in models for e in a.engines.split(",")]:
-            if mode.removesuffix("-whole") not in ("graphs", "eager"):
-                p.error(f"--engines: unknown mode {mode!r} (graphs, eager, graphs-whole, eager-whole)")
+            base, *suffixes = mode.split("-")
+            if base not in ("graphs", "eager") or not set(suffixes) <= {"whole", "ask"}:
+                p.error(f"--engines: unknown mode {mode!r} (graphs or eager, then -whole and/or -ask)")
             with tempfile.TemporaryDirectory() as tmp:
                 r = ttft(device, m, plen, a.iters, Path(tmp), limit, a.profile,
-                         eager=mode.startswith("eager"), layerwise=not mode.endswith("-whole"))
+                         eager=base == "eager", layerwise="whole" not in suffixes, speculate="ask" not in suffixes)
             results["ttft"].append(r)
             print(f"{m} [{mode}, {r['graph_steps']} grid steps, {r['graph_captures']} captures]: prompt {plen}  cold {r['cold_ms']:.1f} ms  GPU hit {r['gpu_hit_ms']:.1f} ms  "
                   f"CPU hit {r['cpu_hit_ms']:.1f} ms  cold/CPU-hit {r['cold_over_cpu_hit']:.1f}x  "

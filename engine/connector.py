@@ -6,7 +6,10 @@
   snapshot into the arena (a side stream on CUDA) and commits, which logs ``BlockStored(CPU)``.
 - **Load**: on admission, after the GPU prefix hit, the longest prefix that is ready in the host
   tier is pinned under a lease (``lookup``), copied into the freshly allocated blocks (``load``)
-  and released once the copy completed. By default the copy runs layer by layer on a load
+  and released once the copy completed. When the engine's own view of the host tier
+  (engine.offload_view) already holds the whole prefix, the copies start from the slots it
+  remembers while the pinning Lookup is in flight, and ``check_loads`` compares the answer
+  before the step's result is used (a mismatch redoes that request's step). By default the copy runs layer by layer on a load
   stream and the step waits for each layer right before computing it
   (``take_layer_waits``, engine.offload_layerwise), so the copy overlaps the step; with
   ``layerwise`` off it is one copy per group on the compute stream, before the step. A
@@ -39,16 +42,39 @@ from engine.offload_layerwise import GroupLoad, LayerLoader, LayerLoads
 from engine.offload_lookup import GroupHitInput, hit_length, lookup_keys
 from engine.offload_metrics import OffloadMetrics
 from engine.offload_store import StoreBatcher
+from engine.offload_view import TierView
 from engine.offload_worker import OffloadWorker, ReleaseJob, StoreJob
 from offloadd.client import (
     GroupQuery,
     GroupSpec,
+    LookupFuture,
+    LookupOutcome,
     OffloadClient,
     OffloadClientError,
     RetryPolicy,
 )
 
 log = logging.getLogger(__name__)
+
+
+Timing = tuple[torch.cuda.Event, torch.cuda.Event]
+
+
+@dataclass
+class _Check:
+    """A load started before the daemon answered its pinning Lookup (engine.offload_view)."""
+
+    request_id: str
+    future: LookupFuture
+    keys: tuple[bytes, ...]
+    expected: dict[int, tuple[list[int], list[int]]]
+    """Per group, the (slot, generation) the view gave for each key."""
+    used: dict[int, set[int]] | None = None
+    """Per group, the keys whose slots the load read (set by ``load``)."""
+    done: torch.cuda.Event | None = None
+    timing: Timing | None = None
+    tokens: int = 0
+    """Hit tokens the load counted (taken back if the answer disagrees)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +89,8 @@ class _Pinned:
     num_gpu_hit: int
     slots: dict[int, tuple[int, ...]]
     """Per group, the daemon slot of each offloaded block from ``first_block`` on."""
+    check: _Check | None = None
+    """Set when the slots came from the engine's view and the Lookup is still in flight."""
 
 
 class OffloadingConnector:
@@ -93,8 +121,13 @@ class OffloadingConnector:
         self._seen: set[str] = set()
         self._just_loaded: set[bytes] = set()
         """Digests loaded this step: the engine reports them as new blocks; no need to store."""
-        self._loaded_leases: list[tuple[str, torch.cuda.Event | None, tuple[torch.cuda.Event, torch.cuda.Event] | None]] = []
+        self._loaded_leases: list[tuple[str, torch.cuda.Event | None, Timing | None]] = []
         """Leases of this step's loads, released (once their copies completed) after the step."""
+        self.view = TierView()
+        self._checks: list[_Check] = []
+        """This step's loads that started before their Lookup's answer (``check_loads``)."""
+        self._no_speculation: set[str] = set()
+        """Requests whose speculative load failed: their next admission asks first."""
         self._loader: LayerLoader | None = None
         self._layer_loads: LayerLoads | None = None
         """This step's layer-by-layer loads (``layerwise``): the step waits on them per layer."""
@@ -111,7 +144,7 @@ class OffloadingConnector:
             self._layer_loads = self._loader.new_step()
         self.worker = OffloadWorker(
             self.client, self.config.engine_id, self.config.lease_ms, self.metrics,
-            self._mark_unregistered, device,
+            self._mark_unregistered, device, on_committed=self.view.learn,
         )
         self._register()
 
@@ -139,6 +172,7 @@ class OffloadingConnector:
             return False
         for arena in self.arenas.values():
             arena.close()
+        self.view.clear()
         self.arenas = {
             g.spec.group_idx: ArenaBlocks.in_engine_blocks(
                 reg.groups[g.spec.group_idx], self.k, g.tensor, self.config.copy_mode
@@ -174,6 +208,10 @@ class OffloadingConnector:
         # Sliding-window groups look up every key: only the window at the end is needed.
         queries = [GroupQuery(g.spec.group_idx, keys, prefix_only=g.spec.sliding_window is None)
                    for g in self.groups]
+        if self.config.speculate and request_id not in self._no_speculation:
+            num_ext = self._speculate(request_id, queries, first, hit)
+            if num_ext is not None:
+                return num_ext
         try:
             outcome = self.client.lookup(self.config.engine_id, queries, pin=True,
                                          lease_ms=self.config.lease_ms)
@@ -181,6 +219,7 @@ class OffloadingConnector:
             self._failed("lookup", exc)
             return 0
         self.metrics.add(lookups=1)
+        self._learn(keys, outcome)
         results = {r.group_idx: r for r in outcome.results}
         inputs = {
             g.spec.group_idx: GroupHitInput(
@@ -202,6 +241,77 @@ class OffloadingConnector:
         )
         return num_ext
 
+    def _speculate(self, request_id: str, queries: list[GroupQuery], first: int, hit: int) -> int | None:
+        """When the view holds every key of the lookup: send the pinning Lookup without
+        waiting, pin the view's slots for ``load`` and return the hit; else None (ask first:
+        the daemon may know more than the view)."""
+        keys = queries[0].block_hashes
+        known = {g.spec.group_idx: self.view.find(g.spec.group_idx, keys) for g in self.groups}
+        inputs = {
+            g.spec.group_idx: GroupHitInput(
+                g.spec.sliding_window, _leading(known[g.spec.group_idx][0]),
+                tuple(known[g.spec.group_idx][0]),
+            )
+            for g in self.groups
+        }
+        if hit_length(inputs, len(keys), first, hit, self.k, self._block_size()) < len(keys):
+            return None
+        try:
+            future = self.client.lookup_future(self.config.engine_id, queries, pin=True,
+                                               lease_ms=self.config.lease_ms)
+        except OffloadClientError as exc:
+            self._failed("lookup", exc)
+            return None
+        self.metrics.add(lookups=1)
+        check = _Check(request_id, future, tuple(keys), known)
+        num_ext = (first + len(keys)) * self.k - hit
+        self._pinned[request_id] = _Pinned(
+            "", num_ext, first * self.k, hit, {gi: tuple(s) for gi, (s, _) in known.items()}, check,
+        )
+        return num_ext
+
+    def _learn(self, keys: Sequence[bytes], outcome: LookupOutcome) -> None:
+        """Keep the daemon's answer in the view (prefix-only answers stop at the first miss)."""
+        for r in outcome.results:
+            n = len(r.slots)
+            if len(r.generations) == n <= len(keys):
+                self.view.learn(r.group_idx, keys[:n], r.slots, r.generations)
+
+    def check_loads(self) -> set[str]:
+        """After the step was enqueued, before its result is used: the requests whose loads
+        started from the view and that the daemon's answer did not confirm. Their step's
+        result must be dropped and they must be admitted again (they then ask first)."""
+        checks, self._checks = self._checks, []
+        bad: set[str] = set()
+        for check in checks:
+            if not self._confirm(check):
+                bad.add(check.request_id)
+                self._no_speculation.add(check.request_id)
+        return bad
+
+    def _confirm(self, check: _Check) -> bool:
+        try:
+            outcome = check.future.result(timeout=self.config.timeout_s)
+        except OffloadClientError as exc:
+            self._failed("lookup", exc)
+            self.metrics.add(speculation_failed=1, cpu_hit_tokens=-check.tokens)
+            return False
+        self._loaded_leases.append((outcome.lease_id, check.done, check.timing))
+        self._learn(check.keys, outcome)
+        results = {r.group_idx: r for r in outcome.results}
+        ok = True
+        for gi, used in (check.used or {}).items():
+            slots, gens = check.expected[gi]
+            r = results.get(gi)
+            got_slots = r.slots if r is not None else ()
+            got_gens = r.generations if r is not None else ()
+            if any(i >= len(got_slots) or i >= len(got_gens) or got_slots[i] != slots[i]
+                   or got_gens[i] != gens[i] for i in used):
+                ok = False
+        self.metrics.add(speculative_loads=int(ok), speculation_failed=int(not ok),
+                         cpu_hit_tokens=0 if ok else -check.tokens)
+        return ok
+
     def load(
         self, request_id: str, digests: Sequence[bytes], block_ids: Mapping[int, Sequence[int]]
     ) -> None:
@@ -218,6 +328,7 @@ class OffloadingConnector:
         timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda and first else None
         t0 = time.perf_counter()
         nbytes = 0
+        used: dict[int, set[int]] = {}
         try:
             k, base = self.k, pinned.first_block
             positions = [pinned.num_gpu_hit + i - base for i in range(n)]
@@ -230,12 +341,13 @@ class OffloadingConnector:
                          if b != NULL_BLOCK_ID]
                 if any(slots[p // k] < 0 for _, p in pairs):
                     raise RuntimeError(f"group {gi}: asked to load a block the lookup did not find")
+                used[gi] = {p // k for _, p in pairs}
                 plan.append(GroupLoad(gi, self.arenas[gi], g.tensor, [b for b, _ in pairs],
                                       [slots[p // k] * k + p % k for _, p in pairs]))
                 nbytes += len(pairs) * g.block_bytes
             done = self._issue(plan, timing)
         except Exception:
-            self._release_later(pinned.lease_id, None)
+            self._unpinned(pinned)
             raise
         if timing is None and self._loader is None:
             self.metrics.add(load_copy_seconds=time.perf_counter() - t0)
@@ -243,10 +355,14 @@ class OffloadingConnector:
         self._just_loaded.update(digests)
         # Released from store(), after the step: waking the worker now would have it share the
         # GIL with this thread while the step is being launched.
-        self._loaded_leases.append((pinned.lease_id, done, timing))
+        if pinned.check is not None:  # its lease is known once check_loads has the answer
+            check = pinned.check
+            check.used, check.done, check.timing, check.tokens = used, done, timing, n * self._block_size()
+            self._checks.append(pinned.check)
+        else:
+            self._loaded_leases.append((pinned.lease_id, done, timing))
 
-    def _issue(self, plan: list[GroupLoad],
-               timing: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> torch.cuda.Event | None:
+    def _issue(self, plan: list[GroupLoad], timing: Timing | None) -> torch.cuda.Event | None:
         """Start the copies; on CUDA, return the event after the last one (None layer by
         layer: that event is made once the step is done, _finish_loads)."""
         if self._loader is not None and self._layer_loads is not None:
@@ -281,10 +397,13 @@ class OffloadingConnector:
         self._unpin(request_id)
         self.batcher.drop(request_id)
         self._seen.discard(request_id)
+        self._no_speculation.discard(request_id)
 
     def _release_loaded(self, copied: torch.cuda.Event | None = None) -> None:
         """Release the step's load leases once their copies completed (``copied``: the event
         after the layer-by-layer copies)."""
+        if self._checks:  # the step failed before check_loads: only the leases matter now
+            self.check_loads()
         leases, self._loaded_leases = self._loaded_leases, []
         for lease_id, done, timing in leases:
             self._release_later(lease_id, done or copied, timing)
@@ -292,12 +411,16 @@ class OffloadingConnector:
     def _unpin(self, request_id: str) -> None:
         pinned = self._pinned.pop(request_id, None)
         if pinned is not None:
+            self._unpinned(pinned)
+
+    def _unpinned(self, pinned: _Pinned) -> None:
+        """Release a pin that will not be loaded (once its Lookup answered, if in flight)."""
+        if pinned.check is not None and self.worker is not None:
+            self.worker.submit(ReleaseJob("", None, pending=pinned.check.future))
+        else:
             self._release_later(pinned.lease_id, None)
 
-    def _release_later(
-        self, lease_id: str, done: torch.cuda.Event | None,
-        timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
-    ) -> None:
+    def _release_later(self, lease_id: str, done: torch.cuda.Event | None, timing: Timing | None = None) -> None:
         if lease_id and self.worker is not None:
             self.worker.submit(ReleaseJob(lease_id, done, timing))
 
@@ -365,3 +488,11 @@ class OffloadingConnector:
         for arena in self.arenas.values():
             arena.close()
         self.client.close()
+
+
+def _leading(slots: Sequence[int]) -> int:
+    """How many slots lead before the first unknown (-1)."""
+    for i, slot in enumerate(slots):
+        if slot < 0:
+            return i
+    return len(slots)

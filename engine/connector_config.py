@@ -54,6 +54,10 @@ class OffloadConnectorConfig:
     layerwise: bool = True
     """Load a CPU-tier hit layer by layer while the step computes the layers already loaded
     (engine.offload_layerwise); off: the whole copy completes before the step starts."""
+    speculate: bool = True
+    """Start a hit's copies from the slots the engine remembers (it stored the blocks, or a
+    lookup answered them) while the pinning Lookup is in flight, and check its answer before
+    the step's result is used (engine.offload_view); off: wait for the Lookup first."""
     retry_register_s: float = 5.0
     """After the daemon was unreachable, how long to wait before registering again."""
 

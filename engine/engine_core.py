@@ -23,7 +23,7 @@ from engine.offload import NullConnector, OffloadConnector
 from engine.request import Request, StepOutput
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample_token
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledRequest, Scheduler
 from engine.step_graphs import StepGraphs
 from events.hashing import BlockHasher
 
@@ -164,9 +164,12 @@ class EngineCore:
         ]
         try:
             logits = self.runner.execute(out, sample_rows, self.connector.take_layer_waits())
+            redo = self.connector.check_loads()
         except BaseException:
             self.connector.store([])  # completes the step's loads and releases their pins
             raise
+        if redo:
+            logits, sample_rows = self._drop(out.scheduled, redo, logits, sample_rows)
         new_blocks = []
         for s in out.scheduled:
             s.request.num_computed_tokens = s.start + s.num_new_tokens
@@ -190,6 +193,21 @@ class EngineCore:
             outputs = [self._append_token(r, logits_cpu[row]) for row, r in enumerate(reqs)]
         self._flush_events()
         return outputs
+
+    def _drop(
+        self, scheduled: list[ScheduledRequest], redo: set[str], logits: torch.Tensor, sample_rows: list[int],
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Take the requests in ``redo`` out of this step (the KV loaded for them was wrong):
+        they go back to the waiting queue and their rows out of the logits; returns the logits
+        and sample rows of the requests left."""
+        before = list(scheduled)
+        keep = [j for j, i in enumerate(sample_rows) if before[i].request.request_id not in redo]
+        for s in before:
+            if s.request.request_id in redo:
+                scheduled.remove(s)
+                self.scheduler.readmit(s.request)
+        position = {id(s): n for n, s in enumerate(scheduled)}
+        return logits[keep], [position[id(before[sample_rows[j]])] for j in keep]
 
     def _append_token(self, req: Request, logits: torch.Tensor | None, token: int | None = None) -> StepOutput:
         if token is None:

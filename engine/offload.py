@@ -2,7 +2,7 @@
 
 The scheduler calls ``lookup``/``load`` on admission, after the GPU prefix-cache hit; the engine
 takes the loads still in flight (``take_layer_waits``) and runs the step waiting for each layer's
-load right before that layer, then calls ``store`` with the blocks that became full and got their
+load right before that layer, asks which loads proved wrong (``check_loads``), then calls ``store`` with the blocks that became full and got their
 hash in the step, and ``request_finished`` when a request leaves. The real connector
 (engine/connector.py) talks to offloadd; the engine core only knows this protocol.
 """
@@ -67,6 +67,12 @@ class OffloadConnector(Protocol):
         is already complete in stream order. Whatever the step did, ``store`` completes them."""
         ...
 
+    def check_loads(self) -> set[str]:
+        """After the step was enqueued, before its result is used: the requests whose loads
+        turned out wrong (started from slots the second tier no longer held for them). Their
+        result is dropped and they are admitted again."""
+        ...
+
     def store(self, new_blocks: Sequence[NewBlocks]) -> None:
         """After a step: blocks that became full and hashed in it. Must not block generation.
         Called after every step that ran, first of all completing its loads (stream order)."""
@@ -93,6 +99,9 @@ class NullConnector:
 
     def take_layer_waits(self) -> LayerWaits | None:
         return None
+
+    def check_loads(self) -> set[str]:
+        return set()
 
     def store(self, new_blocks: Sequence[NewBlocks]) -> None:
         pass

@@ -21,7 +21,13 @@ from torch import Tensor
 
 from engine.offload_copy import ArenaBlocks
 from engine.offload_metrics import OffloadMetrics
-from offloadd.client import BlockToStore, OffloadClient, OffloadClientError, ReserveStatus
+from offloadd.client import (
+    BlockToStore,
+    LookupFuture,
+    OffloadClient,
+    OffloadClientError,
+    ReserveStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,8 @@ class ReleaseJob:
     done: torch.cuda.Event | None
     """The load's copies completed once this event did (CUDA only): the slots may go then."""
     timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    pending: LookupFuture | None = None
+    """A pinning Lookup still in flight: its lease (if any) is the one to release."""
 
 
 Job = StoreJob | ReleaseJob
@@ -54,12 +62,15 @@ class OffloadWorker:
     def __init__(
         self, client: OffloadClient, engine_id: str, lease_ms: int, metrics: OffloadMetrics,
         on_unregistered: Callable[[], None], device: torch.device,
+        on_committed: Callable[[int, list[bytes], list[int], list[int]], None] | None = None,
     ) -> None:
         self.client = client
         self.engine_id = engine_id
         self.lease_ms = lease_ms
         self.metrics = metrics
         self.on_unregistered = on_unregistered
+        self.on_committed = on_committed
+        """``(group_idx, keys, slots, generations)`` of the blocks each commit made ready."""
         self.device = device
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._idle = threading.Condition()
@@ -151,6 +162,10 @@ class OffloadWorker:
             blocks_stored=len(reserved), bytes_stored=len(rows) * job.arena.geometry.slot_bytes,
             store_copy_seconds=seconds,
         )
+        if self.on_committed is not None and len(outcome.generations) == len(outcome.blocks):
+            self.on_committed(job.group_idx, [job.blocks[i].block_hash for i in reserved],
+                              [outcome.blocks[i][1] for i in reserved],
+                              [outcome.generations[i] for i in reserved])
 
     def _copy(self, job: StoreJob, rows: list[int], slots: list[int]) -> float:
         """Copy the reserved rows into their slots; returns the copy's own duration in seconds."""
@@ -182,6 +197,14 @@ class OffloadWorker:
         if job.timing is not None:
             start, end = job.timing
             self.metrics.add(load_copy_seconds=start.elapsed_time(end) / 1000.0)
+        if job.pending is not None:
+            try:
+                job.lease_id = job.pending.result(timeout=self.client.timeout_s).lease_id
+            except OffloadClientError as exc:  # nothing was pinned, or the lease expires
+                self._failed("lookup", exc)
+                return
+        if not job.lease_id:
+            return
         try:
             self.client.release(self.engine_id, job.lease_id)
         except OffloadClientError as exc:  # the lease expires on its own

@@ -115,6 +115,18 @@ class Scheduler:
         req.num_hashed_blocks = 0
         self.waiting.appendleft(req)
 
+    def readmit(self, req: Request) -> None:
+        """Undo this step's admission of ``req`` (its result is being dropped): its blocks go
+        back and it is the next to be admitted. Not a preemption: nothing ran to completion."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_hashed_blocks = 0
+        req.num_cached_tokens = -1
+        req.num_external_cached_tokens = 0
+        self.waiting.appendleft(req)
+
     def finish(self, req: Request, reason: str) -> None:
         """Remove a finished or aborted request and release its blocks."""
         req.status = RequestStatus.FINISHED

@@ -61,12 +61,14 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 
 
-@pytest.mark.parametrize("path", ["layerwise", "layerwise-grid", "whole"])
+@pytest.mark.parametrize("path", ["layerwise", "layerwise-grid", "whole", "ask-first"])
 def test_store_then_cpu_hit_equals_reference(model: Path, daemon: DaemonProcess, path: str) -> None:
     """``layerwise``: each layer is copied as the step reaches it (engine.offload_layerwise);
     ``-grid``: the step runs as a padded grid (engine.step_graphs, eager here) that waits per
-    layer; ``whole``: the copy completes before the step."""
-    conn = _connector(daemon, layerwise=path != "whole")
+    layer; ``whole``: the copy completes before the step. Each starts the copy from the slots
+    the engine remembers from its own store, before the pin's answer (engine.offload_view);
+    ``ask-first`` waits for the answer."""
+    conn = _connector(daemon, layerwise=path != "whole", speculate=path != "ask-first")
     llm, ref = _llm(model, conn), _llm(model)
     if path.endswith("-grid"):
         e = llm.engine
@@ -102,12 +104,57 @@ def test_store_then_cpu_hit_equals_reference(model: Path, daemon: DaemonProcess,
         first_needed = 0 if window is None else max(0, 5 * BS - window + 1) // BS
         assert set(pool.hash_to_block) == set(digests[first_needed:5])
     assert s["cpu_hit_tokens"] == 5 * BS and s["errors"] == 0
+    assert (s["speculative_loads"], s["speculation_failed"]) == ((0, 0) if path == "ask-first" else (1, 0))
     assert s["load_copy_seconds"] > 0
     assert s["blocks_already_stored"] == 0  # loaded blocks are not stored back
     if path != "whole":
         assert conn._loader is not None and conn._loader.issued == {"kernel": groups}  # one load per group, on CPU
     with OffloadClient(daemon.target) as c:  # the load's lease was released
         assert sum(x.num_pinned for x in c.stats().layouts) == 0
+    conn.close()
+
+
+def test_a_stale_view_of_the_host_tier_redoes_the_step(model: Path, daemon: DaemonProcess) -> None:
+    """The engine's view says prompt A sits in the slots that now hold prompt B (what the
+    daemon evicting A and giving its slots to B looks like from the engine, which is never told).
+    The load reads B's KV; the pin's answer disagrees, so A's step is dropped and redone after
+    asking, while C, in the same step, goes on. Outputs equal a run without offloading."""
+    conn = _connector(daemon)
+    llm, ref = _llm(model, conn), _llm(model)
+    a, b, c = _prompt(4 * BS + 3, 21), _prompt(4 * BS + 3, 22), _prompt(2 * BS + 5, 23)
+    llm.generate([a, b], GREEDY)
+    assert conn.flush() and llm.reset_prefix_cache()
+    digests_a, digests_b = llm.engine.hasher.hash_blocks(a), llm.engine.hasher.hash_blocks(b)
+    for g in llm.engine.kv_groups:
+        gi = g.spec.group_idx
+        slots_b, gens_b = conn.view.find(gi, digests_b)
+        assert min(slots_b) >= 0 and min(gens_b) > 0  # learned from the engine's own commits
+        conn.view.learn(gi, digests_a, slots_b, gens_b)
+    got = llm.generate([a, c], GREEDY)
+    want = ref.generate([a, c], GREEDY)
+    for x, y in zip(got, want, strict=True):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        xl, yl = x.outputs[0].logits, y.outputs[0].logits
+        assert xl is not None and yl is not None
+        for p, q in zip(xl, yl, strict=True):
+            torch.testing.assert_close(p, q, rtol=1.3e-6, atol=1e-5)
+    assert (got[0].num_cached_tokens, got[0].num_external_cached_tokens) == (0, 4 * BS)
+    assert conn.flush()
+    s = conn.stats()
+    assert (s["speculative_loads"], s["speculation_failed"]) == (0, 1)
+    assert s["cpu_hit_tokens"] == 4 * BS  # counted once: the dropped load hit nothing
+    assert s["errors"] == 0
+    for g in llm.engine.kv_groups:  # the view now holds the daemon's answer
+        slots_a, _ = conn.view.find(g.spec.group_idx, digests_a)
+        assert slots_a != conn.view.find(g.spec.group_idx, digests_b)[0]
+    with OffloadClient(daemon.target) as client:  # both leases were released
+        assert sum(x.num_pinned for x in client.stats().layouts) == 0
+    # The next hit of A starts from the view again, and holds.
+    assert llm.reset_prefix_cache()
+    again = llm.generate(a, GREEDY)[0]
+    assert again.outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert conn.flush()
+    assert conn.stats()["speculative_loads"] == 1
     conn.close()
 
 

@@ -1,0 +1,72 @@
+"""The engine's view of the host tier: where its blocks sit (engine.offload_view)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.offload_view import TierView
+
+
+def _keys(n: int, tag: bytes = b"k") -> list[bytes]:
+    return [tag + bytes([i]) * 31 for i in range(n)]
+
+
+def test_learn_find_and_forget() -> None:
+    view = TierView()
+    keys = _keys(4)
+    view.learn(0, keys, [7, 8, 9, 10], [101, 102, 103, 104])
+    assert view.find(0, keys) == ([7, 8, 9, 10], [101, 102, 103, 104])
+    assert view.find(1, keys) == ([-1] * 4, [0] * 4)  # groups are apart
+    # An answer that no longer holds a key (-1), or holds it elsewhere, replaces what was known.
+    view.learn(0, keys[:2], [-1, 20], [0, 205])
+    assert view.find(0, keys) == ([-1, 20, 9, 10], [0, 205, 103, 104])
+    # A daemon that sends no generation (0) teaches nothing.
+    view.learn(0, keys[2:3], [9], [0])
+    assert view.find(0, keys[2:3]) == ([-1], [0])
+    assert len(view) == 2
+    view.clear()
+    assert len(view) == 0 and view.find(0, keys)[0] == [-1] * 4
+
+
+def test_the_least_recently_used_go_first() -> None:
+    view = TierView(capacity=4)
+    a, b = _keys(3, b"a"), _keys(3, b"b")
+    view.learn(0, a, [1, 2, 3], [1, 1, 1])
+    view.find(0, a[:1])  # a[0] was just used
+    view.learn(1, b[:2], [4, 5], [1, 1])
+    assert len(view) == 4
+    slots, _ = view.find(0, a)
+    assert slots[0] == 1 and slots.count(-1) == 1  # one of a[1:], not a[0], went
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        TierView(capacity=0)
+    with pytest.raises(ValueError, match="2 keys, 1 slots, 2 generations"):
+        TierView().learn(0, _keys(2), [1], [1, 2])
+
+
+def test_learning_from_another_thread_while_finding() -> None:
+    view = TierView(capacity=1000)
+    keys = _keys(200)
+    view.learn(0, keys, list(range(200)), [1] * 200)
+    stop = threading.Event()
+
+    def learn() -> None:
+        i = 0
+        while not stop.is_set():
+            view.learn(0, keys, list(range(i, i + 200)), [i + 1] * 200)
+            i += 1
+
+    t = threading.Thread(target=learn)
+    t.start()
+    try:
+        for _ in range(200):
+            slots, gens = view.find(0, keys)
+            # One learn is seen whole or not at all: every key from the same answer.
+            assert len(set(gens)) == 1 and [s - slots[0] for s in slots] == list(range(200))
+    finally:
+        stop.set()
+        t.join()
