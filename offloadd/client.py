@@ -12,6 +12,7 @@ exponential backoff. Everything else raises :class:`OffloadClientError` carrying
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -121,19 +122,17 @@ class LookupFuture:
     """A Lookup in flight (``OffloadClient.lookup_future``): not retried, since its caller
     falls back to asking again on any failure."""
 
-    def __init__(self, call: grpc.Future) -> None:
-        self._call = call
+    def __init__(self, future: concurrent.futures.Future[LookupOutcome]) -> None:
+        self._future = future
 
     def done(self) -> bool:
-        return bool(self._call.done())
+        return self._future.done()
 
     def result(self, timeout: float | None = None) -> LookupOutcome:
         """The answer; raises OffloadClientError (OffloadUnavailable for network failures)."""
         try:
-            return codec.lookup_from(self._call.result(timeout=timeout))
-        except grpc.RpcError as exc:
-            raise _error(exc) from exc
-        except grpc.FutureTimeoutError as exc:
+            return self._future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError as exc:
             raise OffloadUnavailable(grpc.StatusCode.DEADLINE_EXCEEDED,
                                      f"no Lookup answer within {timeout} s") from exc
 
@@ -149,6 +148,7 @@ class OffloadClient:
         self._log = log_pb2_grpc.EventLogStub(self.channel)
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
+        self._sender: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _do(self, method: Any, req: Any, read: bool = False) -> Any:
         return _call_sync(lambda: method(req, timeout=self.timeout_s), self.retry,
@@ -166,9 +166,19 @@ class OffloadClient:
 
     def lookup_future(self, engine_id: str, queries: Sequence[GroupQuery], pin: bool = False,
                       lease_ms: int = 0) -> LookupFuture:
-        """``lookup`` without waiting for the answer (sent now, on gRPC's own threads)."""
+        """``lookup`` without waiting for the answer: built, sent and parsed on this client's
+        own sender thread. (gRPC's ``.future()`` starts a thread per call when none is in
+        flight: 0.4-0.7 ms of the caller's time on an H200 host.)"""
+        if self._sender is None:
+            self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-lookup")
+        return LookupFuture(self._sender.submit(self._lookup_once, engine_id, tuple(queries), pin, lease_ms))
+
+    def _lookup_once(self, engine_id: str, queries: Sequence[GroupQuery], pin: bool, lease_ms: int) -> LookupOutcome:
         req = codec.lookup_request(engine_id, queries, pin, lease_ms)
-        return LookupFuture(self._store.Lookup.future(req, timeout=self.timeout_s))
+        try:
+            return codec.lookup_from(self._store.Lookup(req, timeout=self.timeout_s))
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
 
     def reserve(self, engine_id: str, group_idx: int, blocks: Sequence[BlockToStore],
                 lease_ms: int = 0, lora_name: str | None = None) -> ReserveOutcome:
@@ -217,6 +227,8 @@ class OffloadClient:
             raise _error(exc) from exc
 
     def close(self) -> None:
+        if self._sender is not None:
+            self._sender.shutdown(wait=True)  # lookups in flight end first (within timeout_s)
         self.channel.close()
 
     def __enter__(self) -> OffloadClient:

@@ -125,6 +125,7 @@ def test_async_client(daemon: DaemonProcess) -> None:
                 arena.write(slot, bytes([slot]) * SLOT)
             committed = await c.commit("a", res.reservation_id)
             found = await c.lookup("a", [GroupQuery(0, tuple(b.block_hash for b in chain(2)))], pin=True)
+            assert found.results[0].generations == res.generations and min(res.generations) > 0
             released = await c.release("a", found.lease_id)
             data = await c.read_blocks("a", 0, [chain(2)[1].block_hash])
             records = [r async for r in c.subscribe(1)]
