@@ -5,7 +5,7 @@ and the step that follows reads layer i only in its layer i. Waiting for the who
 the step would put the copy (bytes at the PCIe limit) and the step's compute end to end; loading
 layer by layer lets them overlap, so a hit costs about the copy plus one layer of compute.
 
-- CUDA: the copies run on two load streams (layers alternate), ordered after the work enqueued
+- CUDA: the copies run on one load stream, in layer order, ordered after the work enqueued
   so far, layer 0 of every block first; one event per layer is recorded once that layer of
   every block is in place. The step waits on each layer's event right before the layer (the
   eager attention backend, or between per-layer CUDA graph segments: engine.step_graphs). The
@@ -235,14 +235,15 @@ class LayerLoads:
 
 
 class LayerLoader:
-    """Plans loads and issues their layers on two load streams (CUDA); on CPU the copies are
+    """Plans loads and issues their layers on a load stream (CUDA); on CPU the copies are
     deferred to the step's waits."""
 
-    def __init__(self, device: torch.device, num_streams: int = 2) -> None:
+    def __init__(self, device: torch.device, num_streams: int = 1) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
-        # Layers alternate between the streams: one layer's copies start while the previous
-        # layer's last one drains, hiding the gap each DMA copy leaves behind it.
+        # With more than one stream, layers alternate between them. One is the default: with
+        # two, the copy engine did not keep the layers in order, and the step, which waits for
+        # them in order, stalled 0.5-0.75 ms mid-way for a layer that came late (H200 timeline).
         self._streams = [torch.cuda.Stream(device) for _ in range(num_streams)] if self.is_cuda else []
         self._handles = [ctypes.c_void_p(int(st.cuda_stream)) for st in self._streams]
         # One event per (group, layer), recorded again by every load: a step's waits are
