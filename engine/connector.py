@@ -65,7 +65,7 @@ class _Check:
     """A load started before the daemon answered its pinning Lookup (engine.offload_view)."""
 
     request_id: str
-    future: LookupFuture
+    queries: list[GroupQuery]
     keys: tuple[bytes, ...]
     expected: dict[int, tuple[list[int], list[int]]]
     """Per group, the (slot, generation) the view gave for each key."""
@@ -75,6 +75,9 @@ class _Check:
     timing: Timing | None = None
     tokens: int = 0
     """Hit tokens the load counted (taken back if the answer disagrees)."""
+    future: LookupFuture | None = None
+    """The pinning Lookup, sent once the load's first copies are issued."""
+    sent: bool = False
 
 
 @dataclass(frozen=True)
@@ -242,9 +245,9 @@ class OffloadingConnector:
         return num_ext
 
     def _speculate(self, request_id: str, queries: list[GroupQuery], first: int, hit: int) -> int | None:
-        """When the view holds every key of the lookup: send the pinning Lookup without
-        waiting, pin the view's slots for ``load`` and return the hit; else None (ask first:
-        the daemon may know more than the view)."""
+        """When the view holds every key of the lookup: take the view's slots for ``load``
+        (which sends the pinning Lookup once its first copies are issued) and return the hit;
+        else None (ask first: the daemon may know more than the view)."""
         keys = queries[0].block_hashes
         known = {g.spec.group_idx: self.view.find(g.spec.group_idx, keys) for g in self.groups}
         inputs = {
@@ -256,14 +259,7 @@ class OffloadingConnector:
         }
         if hit_length(inputs, len(keys), first, hit, self.k, self._block_size()) < len(keys):
             return None
-        try:
-            future = self.client.lookup_future(self.config.engine_id, queries, pin=True,
-                                               lease_ms=self.config.lease_ms)
-        except OffloadClientError as exc:
-            self._failed("lookup", exc)
-            return None
-        self.metrics.add(lookups=1)
-        check = _Check(request_id, future, tuple(keys), known)
+        check = _Check(request_id, queries, tuple(keys), known)
         num_ext = (first + len(keys)) * self.k - hit
         self._pinned[request_id] = _Pinned(
             "", num_ext, first * self.k, hit, {gi: tuple(s) for gi, (s, _) in known.items()}, check,
@@ -282,6 +278,9 @@ class OffloadingConnector:
         started from the view and that the daemon's answer did not confirm. Their step's
         result must be dropped and they must be admitted again (they then ask first)."""
         checks, self._checks = self._checks, []
+        for check in checks:
+            if not check.sent:
+                self._send(check)
         bad: set[str] = set()
         for check in checks:
             if not self._confirm(check):
@@ -289,7 +288,20 @@ class OffloadingConnector:
                 self._no_speculation.add(check.request_id)
         return bad
 
+    def _send(self, check: _Check) -> None:
+        check.sent = True
+        try:
+            check.future = self.client.lookup_future(self.config.engine_id, check.queries, pin=True,
+                                                     lease_ms=self.config.lease_ms)
+        except OffloadClientError as exc:  # check_loads finds no answer: the step is redone
+            self._failed("lookup", exc)
+            return
+        self.metrics.add(lookups=1)
+
     def _confirm(self, check: _Check) -> bool:
+        if check.future is None:
+            self.metrics.add(speculation_failed=1, cpu_hit_tokens=-check.tokens)
+            return False
         try:
             outcome = check.future.result(timeout=self.config.timeout_s)
         except OffloadClientError as exc:
@@ -358,7 +370,8 @@ class OffloadingConnector:
         if pinned.check is not None:  # its lease is known once check_loads has the answer
             check = pinned.check
             check.used, check.done, check.timing, check.tokens = used, done, timing, n * self._block_size()
-            self._checks.append(pinned.check)
+            self._checks.append(check)
+            self._send(check)  # after the copies: they start ~0.4 ms sooner
         else:
             self._loaded_leases.append((pinned.lease_id, done, timing))
 
@@ -415,8 +428,9 @@ class OffloadingConnector:
 
     def _unpinned(self, pinned: _Pinned) -> None:
         """Release a pin that will not be loaded (once its Lookup answered, if in flight)."""
-        if pinned.check is not None and self.worker is not None:
-            self.worker.submit(ReleaseJob("", None, pending=pinned.check.future))
+        if pinned.check is not None:
+            if pinned.check.future is not None and self.worker is not None:
+                self.worker.submit(ReleaseJob("", None, pending=pinned.check.future))
         else:
             self._release_later(pinned.lease_id, None)
 
