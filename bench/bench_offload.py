@@ -299,21 +299,26 @@ def _breakdown(llm: Any, conn: Any, prompt: list[int], params: Any, reps: int = 
         label = f"{name}_rpc" if obj is e.connector.client else name
         setattr(obj, name, timed(label, getattr(obj, name)))
     out: dict[str, dict[str, float]] = {}
+    rng = random.Random(len(prompt))
+    rows: dict[str, dict[str, list[float]]] = {"gpu_hit": {}, "cpu_hit": {}}
     try:
-        for kind in ("gpu_hit", "cpu_hit"):
-            rows: dict[str, list[float]] = {}
-            for _ in range(reps):
-                llm.generate(prompt, params)  # make sure the prompt is cached on the GPU
-                conn.flush()
+        # As the TTFT loop does: a new prompt each time, computed cold and stored, then a GPU
+        # hit and a CPU hit (the same prompt over and over measured up to 1.5 ms less).
+        for _ in range(reps):
+            fresh = [rng.randrange(max(prompt) + 1) for _ in prompt]
+            for kind in ("cold", "gpu_hit", "cpu_hit"):
                 if kind == "cpu_hit":
                     llm.reset_prefix_cache()
                 spent.clear()
                 t0 = time.perf_counter()
-                llm.generate(prompt, params)
+                llm.generate(fresh, params)
                 spent["generate"] = time.perf_counter() - t0
-                for k, v in spent.items():
-                    rows.setdefault(k, []).append(v * 1e3)
-            out[kind] = {k: statistics.median(v) for k, v in rows.items()}
+                conn.flush()
+                if kind != "cold":
+                    for k, v in spent.items():
+                        rows[kind].setdefault(k, []).append(v * 1e3)
+            llm.reset_prefix_cache()
+        out = {kind: {k: statistics.median(v) for k, v in r.items()} for kind, r in rows.items()}
     finally:
         for obj, name in targets:
             delattr(obj, name)  # back to the class's method
