@@ -131,6 +131,8 @@ class OffloadingConnector:
         """This step's loads that started before their Lookup's answer (``check_loads``)."""
         self._no_speculation: set[str] = set()
         """Requests whose speculative load failed: their next admission asks first."""
+        self._outbox: list[ReleaseJob | StoreJob] = []
+        """The step's stores and load releases, handed to the worker by ``step_done``."""
         self._loader: LayerLoader | None = None
         self._layer_loads: LayerLoads | None = None
         """This step's layer-by-layer loads (``layerwise``): the step waits on them per layer."""
@@ -365,8 +367,8 @@ class OffloadingConnector:
             self.metrics.add(load_copy_seconds=time.perf_counter() - t0)
         self.metrics.add(blocks_loaded=n, bytes_loaded=nbytes, cpu_hit_tokens=n * self._block_size())
         self._just_loaded.update(digests)
-        # Released from store(), after the step: waking the worker now would have it share the
-        # GIL with this thread while the step is being launched.
+        # Released by store() and step_done(), after the step: waking the worker now would have
+        # it share the GIL with this thread while the step is being launched.
         if pinned.check is not None:  # its lease is known once check_loads has the answer
             check = pinned.check
             check.used, check.done, check.timing, check.tokens = used, done, timing, n * self._block_size()
@@ -418,8 +420,7 @@ class OffloadingConnector:
         if self._checks:  # the step failed before check_loads: only the leases matter now
             self.check_loads()
         leases, self._loaded_leases = self._loaded_leases, []
-        for lease_id, done, timing in leases:
-            self._release_later(lease_id, done or copied, timing)
+        self._outbox.extend(ReleaseJob(lease_id, done or copied, timing) for lease_id, done, timing in leases if lease_id)
 
     def _unpin(self, request_id: str) -> None:
         pinned = self._pinned.pop(request_id, None)
@@ -472,7 +473,15 @@ class OffloadingConnector:
             ready = torch.cuda.Event()
             ready.record()
         self.metrics.add(pending_store_bytes=nbytes)
-        self.worker.submit(StoreJob(group.spec.group_idx, arena, out.staging, ready, out.blocks, self.k))
+        self._outbox.append(StoreJob(group.spec.group_idx, arena, out.staging, ready, out.blocks, self.k))
+
+    def step_done(self) -> None:
+        """Hand the step's stores and releases to the worker (after the step's outputs were
+        made: the woken worker shares the GIL with this thread from then on)."""
+        jobs, self._outbox = self._outbox, []
+        if self.worker is not None:
+            for job in jobs:
+                self.worker.submit(job)
 
     # -- misc ---------------------------------------------------------------------------
 
@@ -491,10 +500,12 @@ class OffloadingConnector:
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued store and release is done (tests, benchmarks, shutdown)."""
+        self.step_done()
         return self.worker.wait_idle(timeout_s) if self.worker is not None else True
 
     def close(self) -> None:
         self._release_loaded(self._finish_loads())
+        self.step_done()
         for request_id in list(self._pinned):
             self._unpin(request_id)
         if self.worker is not None:

@@ -167,14 +167,28 @@ class EngineCore:
             redo = self.connector.check_loads()
         except BaseException:
             self.connector.store([])  # completes the step's loads and releases their pins
+            self.connector.step_done()
             raise
+        try:
+            return self._finish_step(out.scheduled, redo, logits, sample_rows)
+        finally:
+            # The connector's background work starts only now: its worker thread never holds
+            # the GIL while this thread waits for the tokens or makes the outputs.
+            self.connector.step_done()
+
+    def _finish_step(
+        self, scheduled: list[ScheduledRequest], redo: set[str], logits: torch.Tensor, sample_rows: list[int],
+    ) -> list[StepOutput]:
         if redo:
-            logits, sample_rows = self._drop(out.scheduled, redo, logits, sample_rows)
+            logits, sample_rows = self._drop(scheduled, redo, logits, sample_rows)
         new_blocks = []
-        for s in out.scheduled:
+        for s in scheduled:
             s.request.num_computed_tokens = s.start + s.num_new_tokens
             new_blocks.extend(self.kv.register_full_blocks(s.request))
-        reqs = [out.scheduled[i].request for i in sample_rows]
+        # Before any request finishes, so the blocks are still the request's own; the copies it
+        # needs are enqueued behind the step, before the tokens are read.
+        self.connector.store(new_blocks)
+        reqs = [scheduled[i].request for i in sample_rows]
         tokens: list[int] | None = None
         logits_cpu: torch.Tensor | None = None
         if all(r.params.is_greedy and not r.params.return_logits for r in reqs):
@@ -182,10 +196,6 @@ class EngineCore:
             tokens = logits.argmax(dim=-1).tolist()
         else:
             logits_cpu = logits.cpu()
-        # Handed to the connector only once the step's results are on the host: its worker
-        # thread then never holds the GIL while this thread waits to pick up the tokens.
-        # Before any request finishes, so the blocks are still the request's own.
-        self.connector.store(new_blocks)
         if tokens is not None:
             outputs = [self._append_token(r, None, t) for r, t in zip(reqs, tokens, strict=True)]
         else:

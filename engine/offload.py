@@ -2,9 +2,11 @@
 
 The scheduler calls ``lookup``/``load`` on admission, after the GPU prefix-cache hit; the engine
 takes the loads still in flight (``take_layer_waits``) and runs the step waiting for each layer's
-load right before that layer, asks which loads proved wrong (``check_loads``), then calls ``store`` with the blocks that became full and got their
-hash in the step, and ``request_finished`` when a request leaves. The real connector
-(engine/connector.py) talks to offloadd; the engine core only knows this protocol.
+load right before that layer, asks which loads proved wrong (``check_loads``), then calls
+``store`` with the blocks that became full and got their hash in the step (before it reads the
+step's tokens), ``step_done`` once the step's outputs are made, and ``request_finished`` when a
+request leaves. The real connector (engine/connector.py) talks to offloadd; the engine core
+only knows this protocol.
 """
 
 from __future__ import annotations
@@ -78,6 +80,11 @@ class OffloadConnector(Protocol):
         Called after every step that ran, first of all completing its loads (stream order)."""
         ...
 
+    def step_done(self) -> None:
+        """After every step that ran (whatever happened), once its outputs are made: what
+        ``store`` prepared may go to the background now."""
+        ...
+
     def request_finished(self, request_id: str) -> None:
         """The request finished or was aborted/preempted; release whatever it pinned."""
         ...
@@ -104,6 +111,9 @@ class NullConnector:
         return set()
 
     def store(self, new_blocks: Sequence[NewBlocks]) -> None:
+        pass
+
+    def step_done(self) -> None:
         pass
 
     def request_finished(self, request_id: str) -> None:

@@ -297,7 +297,8 @@ def test_config_refuses_bad_values(kwargs: dict[str, object], message: str) -> N
 
 def test_load_lease_is_released_after_the_step(plain_model: Path, daemon: DaemonProcess) -> None:
     """The worker thread is not woken during admission (it would share the GIL with the step
-    being launched): a load's lease goes back with the step's store() call."""
+    being launched) nor before the step's outputs are made: a load's lease goes back with the
+    step's store() and step_done() calls."""
     conn = _connector(daemon)
     llm = _llm(plain_model, conn)
     prompt = _prompt(4 * BS + 3, 9)
@@ -306,14 +307,17 @@ def test_load_lease_is_released_after_the_step(plain_model: Path, daemon: Daemon
     digests = llm.engine.hasher.hash_blocks(prompt)
     assert conn.lookup("r1", digests, 0) == 4
     conn.load("r1", digests, {0: [1, 2, 3, 4]})
-    assert conn.flush()
+    assert conn.check_loads() == set()  # the pin's answer agrees with the engine's view
 
     def pinned() -> int:
         with OffloadClient(daemon.target) as c:
             return sum(x.num_pinned for x in c.stats().layouts)
 
     assert pinned() == 4
-    conn.store([])  # the step is over
+    conn.store([])  # the step is over: the release is prepared, not yet handed over
+    assert conn.worker is not None and conn.worker.wait_idle(5)
+    assert pinned() == 4
+    conn.step_done()  # the step's outputs are made
     assert conn.flush()
     assert pinned() == 0
     assert conn.stats()["blocks_loaded"] == 4
