@@ -42,12 +42,11 @@ from engine.offload_layerwise import GroupLoad, LayerLoader, LayerLoads
 from engine.offload_lookup import GroupHitInput, hit_length, lookup_keys
 from engine.offload_metrics import OffloadMetrics
 from engine.offload_store import StoreBatcher
-from engine.offload_view import TierView
+from engine.offload_view import SpeculativeLoad, TierView, leading
 from engine.offload_worker import OffloadWorker, ReleaseJob, StoreJob
 from offloadd.client import (
     GroupQuery,
     GroupSpec,
-    LookupFuture,
     LookupOutcome,
     OffloadClient,
     OffloadClientError,
@@ -58,26 +57,6 @@ log = logging.getLogger(__name__)
 
 
 Timing = tuple[torch.cuda.Event, torch.cuda.Event]
-
-
-@dataclass
-class _Check:
-    """A load started before the daemon answered its pinning Lookup (engine.offload_view)."""
-
-    request_id: str
-    queries: list[GroupQuery]
-    keys: tuple[bytes, ...]
-    expected: dict[int, tuple[list[int], list[int]]]
-    """Per group, the (slot, generation) the view gave for each key."""
-    used: dict[int, set[int]] | None = None
-    """Per group, the keys whose slots the load read (set by ``load``)."""
-    done: torch.cuda.Event | None = None
-    timing: Timing | None = None
-    tokens: int = 0
-    """Hit tokens the load counted (taken back if the answer disagrees)."""
-    future: LookupFuture | None = None
-    """The pinning Lookup, sent once the load's first copies are issued."""
-    sent: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,7 +71,7 @@ class _Pinned:
     num_gpu_hit: int
     slots: dict[int, tuple[int, ...]]
     """Per group, the daemon slot of each offloaded block from ``first_block`` on."""
-    check: _Check | None = None
+    check: SpeculativeLoad | None = None
     """Set when the slots came from the engine's view and the Lookup is still in flight."""
 
 
@@ -127,7 +106,7 @@ class OffloadingConnector:
         self._loaded_leases: list[tuple[str, torch.cuda.Event | None, Timing | None]] = []
         """Leases of this step's loads, released (once their copies completed) after the step."""
         self.view = TierView()
-        self._checks: list[_Check] = []
+        self._checks: list[SpeculativeLoad] = []
         """This step's loads that started before their Lookup's answer (``check_loads``)."""
         self._no_speculation: set[str] = set()
         """Requests whose speculative load failed: their next admission asks first."""
@@ -254,14 +233,14 @@ class OffloadingConnector:
         known = {g.spec.group_idx: self.view.find(g.spec.group_idx, keys) for g in self.groups}
         inputs = {
             g.spec.group_idx: GroupHitInput(
-                g.spec.sliding_window, _leading(known[g.spec.group_idx][0]),
+                g.spec.sliding_window, leading(known[g.spec.group_idx][0]),
                 tuple(known[g.spec.group_idx][0]),
             )
             for g in self.groups
         }
         if hit_length(inputs, len(keys), first, hit, self.k, self._block_size()) < len(keys):
             return None
-        check = _Check(request_id, queries, tuple(keys), known)
+        check = SpeculativeLoad(request_id, queries, tuple(keys), known)
         num_ext = (first + len(keys)) * self.k - hit
         self._pinned[request_id] = _Pinned(
             "", num_ext, first * self.k, hit, {gi: tuple(s) for gi, (s, _) in known.items()}, check,
@@ -290,7 +269,7 @@ class OffloadingConnector:
                 self._no_speculation.add(check.request_id)
         return bad
 
-    def _send(self, check: _Check) -> None:
+    def _send(self, check: SpeculativeLoad) -> None:
         check.sent = True
         try:
             check.future = self.client.lookup_future(self.config.engine_id, check.queries, pin=True,
@@ -300,7 +279,7 @@ class OffloadingConnector:
             return
         self.metrics.add(lookups=1)
 
-    def _confirm(self, check: _Check) -> bool:
+    def _confirm(self, check: SpeculativeLoad) -> bool:
         if check.future is None:
             self.metrics.add(speculation_failed=1, cpu_hit_tokens=-check.tokens)
             return False
@@ -312,16 +291,7 @@ class OffloadingConnector:
             return False
         self._loaded_leases.append((outcome.lease_id, check.done, check.timing))
         self._learn(check.keys, outcome)
-        results = {r.group_idx: r for r in outcome.results}
-        ok = True
-        for gi, used in (check.used or {}).items():
-            slots, gens = check.expected[gi]
-            r = results.get(gi)
-            got_slots = r.slots if r is not None else ()
-            got_gens = r.generations if r is not None else ()
-            if any(i >= len(got_slots) or i >= len(got_gens) or got_slots[i] != slots[i]
-                   or got_gens[i] != gens[i] for i in used):
-                ok = False
+        ok = check.confirmed_by(outcome)
         self.metrics.add(speculative_loads=int(ok), speculation_failed=int(not ok),
                          cpu_hit_tokens=0 if ok else -check.tokens)
         return ok
@@ -514,10 +484,3 @@ class OffloadingConnector:
             arena.close()
         self.client.close()
 
-
-def _leading(slots: Sequence[int]) -> int:
-    """How many slots lead before the first unknown (-1)."""
-    for i, slot in enumerate(slots):
-        if slot < 0:
-            return i
-    return len(slots)

@@ -23,6 +23,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from offloadd.client import GroupQuery, LookupFuture, LookupOutcome
 
 
 class TierView:
@@ -82,3 +87,44 @@ class TierView:
         """Forget everything (a new registration: the daemon may have restarted)."""
         with self._lock:
             self._groups.clear()
+
+
+@dataclass
+class SpeculativeLoad:
+    """A load started from the view before the daemon answered its pinning Lookup."""
+
+    request_id: str
+    queries: list[GroupQuery]
+    keys: tuple[bytes, ...]
+    expected: dict[int, tuple[list[int], list[int]]]
+    """Per group, the (slot, generation) the view gave for each key."""
+    used: dict[int, set[int]] | None = None
+    """Per group, the keys whose slots the load read (set once the load is issued)."""
+    done: torch.cuda.Event | None = None
+    timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    tokens: int = 0
+    """Hit tokens the load counted (taken back if the answer disagrees)."""
+    future: LookupFuture | None = None
+    """The pinning Lookup, sent once the load's first copies are issued."""
+    sent: bool = False
+
+    def confirmed_by(self, answer: LookupOutcome) -> bool:
+        """Every slot the load read has, in the answer, the slot and generation the view gave."""
+        results = {r.group_idx: r for r in answer.results}
+        for gi, used in (self.used or {}).items():
+            slots, gens = self.expected[gi]
+            r = results.get(gi)
+            got_slots = r.slots if r is not None else ()
+            got_gens = r.generations if r is not None else ()
+            if any(i >= len(got_slots) or i >= len(got_gens) or got_slots[i] != slots[i]
+                   or got_gens[i] != gens[i] for i in used):
+                return False
+        return True
+
+
+def leading(slots: Sequence[int]) -> int:
+    """How many slots lead before the first unknown (-1)."""
+    for i, slot in enumerate(slots):
+        if slot < 0:
+            return i
+    return len(slots)

@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from engine.offload_view import TierView
+from engine.offload_view import SpeculativeLoad, TierView, leading
+from offloadd.client import GroupHit, GroupQuery, LookupOutcome
 
 
 def _keys(n: int, tag: bytes = b"k") -> list[bytes]:
@@ -70,3 +71,27 @@ def test_learning_from_another_thread_while_finding() -> None:
     finally:
         stop.set()
         t.join()
+
+
+def _answer(*groups: tuple[int, tuple[int, ...], tuple[int, ...]]) -> LookupOutcome:
+    return LookupOutcome(tuple(GroupHit(gi, 0, slots, gens) for gi, slots, gens in groups), "lease", 0)
+
+
+def test_a_speculative_load_is_confirmed_only_by_the_same_slots_and_generations() -> None:
+    keys = tuple(_keys(3))
+    load = SpeculativeLoad("r", [GroupQuery(0, keys)], keys, {0: ([4, 5, 6], [40, 50, 60]),
+                                                              1: ([7, -1, 9], [70, 0, 90])})
+    load.used = {0: {0, 1, 2}, 1: {2}}  # the sliding group read only the block in its window
+    assert load.confirmed_by(_answer((0, (4, 5, 6), (40, 50, 60)), (1, (-1, -1, 9), (0, 0, 90))))
+    # A slot given again in between (same slot, new generation), a block elsewhere, a group or
+    # a block missing from the answer (a prefix-only answer stops at its first miss):
+    assert not load.confirmed_by(_answer((0, (4, 5, 6), (40, 51, 60)), (1, (7, 8, 9), (70, 80, 90))))
+    assert not load.confirmed_by(_answer((0, (4, 5, 3), (40, 50, 60)), (1, (7, 8, 9), (70, 80, 90))))
+    assert not load.confirmed_by(_answer((0, (4, 5, 6), (40, 50, 60))))
+    assert not load.confirmed_by(_answer((0, (4, 5), (40, 50)), (1, (7, 8, 9), (70, 80, 90))))
+    # An answer without generations (an older daemon) never confirms.
+    assert not load.confirmed_by(_answer((0, (4, 5, 6), ()), (1, (7, 8, 9), ())))
+
+
+def test_leading() -> None:
+    assert (leading([3, 4, -1, 5]), leading([]), leading([-1]), leading([1, 2])) == (2, 0, 0, 2)
