@@ -184,6 +184,9 @@ def test_offloaded_block_spans_engine_blocks(model: Path, daemon: DaemonProcess)
     got = llm.generate(seq, GREEDY)[0]
     assert (got.num_cached_tokens, got.num_external_cached_tokens) == (3 * BS, 3 * BS)
     assert got.outputs[0].token_ids == want
+    assert conn.flush()
+    # Every hit (three) loaded from the engine's view (offloaded-block keys, its own commits).
+    assert (conn.stats()["speculative_loads"], conn.stats()["speculation_failed"]) == (3, 0)
     conn.close()
 
 
@@ -210,8 +213,34 @@ def test_two_engines_share_one_daemon(model: Path, daemon: DaemonProcess) -> Non
     out = llm_b.generate(prompt, GREEDY)[0]
     assert out.num_external_cached_tokens == 4 * BS
     assert out.outputs[0].token_ids == want
+    assert b.flush() and b.stats()["speculative_loads"] == 0  # B's view knew nothing: it asked
+    # B learned where the blocks sit from that answer: its next hit loads before asking.
+    assert llm_b.reset_prefix_cache()
+    again = llm_b.generate(prompt, GREEDY)[0]
+    assert again.num_external_cached_tokens == 4 * BS and again.outputs[0].token_ids == want
+    assert b.flush() and (b.stats()["speculative_loads"], b.stats()["speculation_failed"]) == (1, 0)
     a.close()
     b.close()
+
+
+def test_daemon_gone_after_the_store_redoes_the_speculative_step(plain_model: Path, daemon: DaemonProcess) -> None:
+    """The engine's view holds the prefix and the arena is still mapped, but the pinning
+    Lookup never answers: the step that read the slots is dropped and redone without the host
+    tier, and the output equals a run without offloading."""
+    conn = _connector(daemon, retry_register_s=60.0, timeout_s=1.0)
+    llm, ref = _llm(plain_model, conn), _llm(plain_model)
+    prompt = _prompt(4 * BS + 3, 31)
+    llm.generate(prompt, GREEDY)
+    assert conn.flush() and llm.reset_prefix_cache()
+    daemon.kill()
+    out = llm.generate(prompt, GREEDY)[0]
+    want = ref.generate(prompt, GREEDY)[0]
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    assert out.num_external_cached_tokens == 0
+    s = conn.stats()
+    assert (s["speculative_loads"], s["speculation_failed"]) == (0, 1)
+    assert s["cpu_hit_tokens"] == 0 and s["errors"] >= 1
+    conn.close()
 
 
 def test_daemon_failure_never_breaks_generation(plain_model: Path, daemon: DaemonProcess) -> None:
