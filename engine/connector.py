@@ -156,7 +156,7 @@ class OffloadingConnector:
             return False
         for arena in self.arenas.values():
             arena.close()
-        self.view.clear()
+        self.view.clear(capacity=sum(info.max_slots for info in reg.groups.values()) or None)
         self.arenas = {
             g.spec.group_idx: ArenaBlocks.in_engine_blocks(
                 reg.groups[g.spec.group_idx], self.k, g.tensor, self.config.copy_mode

@@ -34,7 +34,7 @@ class TierView:
     """Per group, offloaded-block key -> (slot, generation). Thread-safe: the connector's
     worker learns commits while the engine thread reads."""
 
-    def __init__(self, capacity: int = 1 << 20) -> None:
+    def __init__(self, capacity: int = 1 << 16) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, got {capacity}")
         self.capacity = capacity
@@ -83,10 +83,15 @@ class TierView:
                     gens.append(hit[1])
             return slots, gens
 
-    def clear(self) -> None:
-        """Forget everything (a new registration: the daemon may have restarted)."""
+    def clear(self, capacity: int | None = None) -> None:
+        """Forget everything (a new registration: the daemon may have restarted); ``capacity``:
+        the new bound (the registered layouts' slots: no more entries can be right)."""
+        if capacity is not None and capacity <= 0:
+            raise ValueError(f"capacity must be > 0, got {capacity}")
         with self._lock:
             self._groups.clear()
+            if capacity is not None:
+                self.capacity = capacity
 
 
 @dataclass

@@ -29,6 +29,9 @@ def test_learn_find_and_forget() -> None:
     assert len(view) == 2
     view.clear()
     assert len(view) == 0 and view.find(0, keys)[0] == [-1] * 4
+    view.clear(capacity=2)  # a registration bounds it by the daemon's slots
+    view.learn(0, keys, [1, 2, 3, 4], [1, 1, 1, 1])
+    assert view.capacity == 2 and view.find(0, keys)[0] == [-1, -1, 3, 4]
 
 
 def test_the_least_recently_used_go_first() -> None:
@@ -45,6 +48,8 @@ def test_the_least_recently_used_go_first() -> None:
 def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match="capacity"):
         TierView(capacity=0)
+    with pytest.raises(ValueError, match="capacity"):
+        TierView().clear(capacity=-1)
     with pytest.raises(ValueError, match="2 keys, 1 slots, 2 generations"):
         TierView().learn(0, _keys(2), [1], [1, 2])
 
