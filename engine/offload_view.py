@@ -15,7 +15,8 @@ the step's result is used (engine.connector ``check_loads``):
   asking first this time. The view then holds the daemon's answer.
 
 The daemon never tells the engine about evictions, so entries go stale; a stale entry costs one
-wasted step of one request, once. Bounded: least recently used entries go first.
+wasted step of one request, once. Bounded by the daemon's slots (no more entries can be right):
+least recently used entries go first.
 """
 
 from __future__ import annotations
