@@ -9,8 +9,9 @@
   and released once the copy completed. When the engine's own view of the host tier
   (engine.offload_view) already holds the whole prefix, the copies start from the slots it
   remembers while the pinning Lookup is in flight, and ``check_loads`` compares the answer
-  before the step's result is used (a mismatch redoes that request's step). By default the copy runs layer by layer on a load
-  stream and the step waits for each layer right before computing it
+  before the step's result is used (a mismatch redoes that request's step). By default the
+  copy runs layer by layer on a load stream and the step waits for each layer right before
+  computing it
   (``take_layer_waits``, engine.offload_layerwise), so the copy overlaps the step; with
   ``layerwise`` off it is one copy per group on the compute stream, before the step. A
   hybrid model needs every full-attention block of the prefix and, of the sliding-window group,
@@ -483,4 +484,3 @@ class OffloadingConnector:
         for arena in self.arenas.values():
             arena.close()
         self.client.close()
-
