@@ -241,7 +241,7 @@ class OffloadingConnector:
         }
         if hit_length(inputs, len(keys), first, hit, self.k, self._block_size()) < len(keys):
             return None
-        check = SpeculativeLoad(request_id, queries, tuple(keys), known)
+        check = SpeculativeLoad(request_id, queries, known)
         num_ext = (first + len(keys)) * self.k - hit
         self._pinned[request_id] = _Pinned(
             "", num_ext, first * self.k, hit, {gi: tuple(s) for gi, (s, _) in known.items()}, check,
@@ -260,9 +260,6 @@ class OffloadingConnector:
         started from the view and that the daemon's answer did not confirm. Their step's
         result must be dropped and they must be admitted again (they then ask first)."""
         checks, self._checks = self._checks, []
-        for check in checks:
-            if not check.sent:
-                self._send(check)
         bad: set[str] = set()
         for check in checks:
             if not self._confirm(check):
@@ -271,7 +268,6 @@ class OffloadingConnector:
         return bad
 
     def _send(self, check: SpeculativeLoad) -> None:
-        check.sent = True
         try:
             check.future = self.client.lookup_future(self.config.engine_id, check.queries, pin=True,
                                                      lease_ms=self.config.lease_ms)

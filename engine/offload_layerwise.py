@@ -95,7 +95,7 @@ class _GroupPlan:
                           kv.data_ptr() + b * self.block_bytes, n) for c, s, b, n in runs] if self.dma else []
         # Gather path: per chunk, the source as [slots, layers, elements] (the device alias on
         # CUDA) and the two index tensors, made once for every layer. On CUDA the indices are
-        # uploaded on the current stream, which the load streams wait for (LayerLoads.add).
+        # uploaded on the current stream, which the load stream waits for (LayerLoads.add).
         self._gathers: list[tuple[Tensor, Tensor, Tensor]] = []
         self._dst: Tensor | None = None
         if not self.dma:
@@ -169,7 +169,7 @@ class LayerLoads:
         if not self.is_cuda or not pending:
             self._pending.extend(pending)
             return
-        # Every load of the step orders the load streams after the current stream: the fresh
+        # Every load of the step orders the load stream after the current stream: the fresh
         # blocks may still be read by work enqueued before, and the plan's own index uploads.
         self.loader.start(timing if not self._pending else None)
         if not self._pending:
@@ -219,7 +219,7 @@ class LayerLoads:
             self._pending.clear()
             return None
         self._issue_upto(max(x.plan.layers for x in self._pending))
-        done = self.loader.join(self._timing)  # after every copy on both load streams
+        done = self.loader.join(self._timing)  # after every copy on the load stream
         torch.cuda.current_stream(self.device).wait_event(done)
         self._events.clear()
         self._pending.clear()  # new allocations on any stream now follow the copies
@@ -238,14 +238,14 @@ class LayerLoader:
     """Plans loads and issues their layers on a load stream (CUDA); on CPU the copies are
     deferred to the step's waits."""
 
-    def __init__(self, device: torch.device, num_streams: int = 1) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
-        # With more than one stream, layers alternate between them. One is the default: with
-        # two, the copy engine did not keep the layers in order, and the step, which waits for
-        # them in order, stalled 0.5-0.75 ms mid-way for a layer that came late (H200 timeline).
-        self._streams = [torch.cuda.Stream(device) for _ in range(num_streams)] if self.is_cuda else []
-        self._handles = [ctypes.c_void_p(int(st.cuda_stream)) for st in self._streams]
+        # One stream, layers in order. With two (layers alternating, to hide each copy's tail)
+        # the copy engine did not keep the layers in order, and the step, which waits for them
+        # in order, stalled 0.5-0.75 ms mid-way for a layer that came late (H200 timeline).
+        self._stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self._handle = ctypes.c_void_p(int(self._stream.cuda_stream)) if self._stream is not None else None
         # One event per (group, layer), recorded again by every load: a step's waits are
         # enqueued before the next step records it again, and two loads of one step record
         # it on the same stream, in order.
@@ -269,21 +269,20 @@ class LayerLoader:
         into.add(plans, timing)
 
     def start(self, timing: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
-        """Before a load's first copy: order the load streams after the work enqueued so far
+        """Before a load's first copy: order the load stream after the work enqueued so far
         (a step that freed the fresh blocks may still read them; the plan's index uploads)."""
-        current = torch.cuda.current_stream(self.device)
-        for st in self._streams:
-            st.wait_stream(current)
+        assert self._stream is not None
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         if timing is not None:
-            timing[0].record(self._streams[0])
+            timing[0].record(self._stream)
 
     def issue(self, plan: _GroupPlan, li: int) -> torch.cuda.Event:
         """Enqueue layer ``li`` of the plan; returns the event recorded after it. On the host's
         critical path: no stream context or new event for DMA copies."""
-        k = li % len(self._streams)
-        st = self._streams[k]
+        st = self._stream
+        assert st is not None
         if plan.dma:
-            plan.copy_layer(li, self._memcpy_2d, self._handles[k])
+            plan.copy_layer(li, self._memcpy_2d, self._handle)
         else:
             with torch.cuda.stream(st):
                 plan.copy_layer(li)
@@ -295,11 +294,9 @@ class LayerLoader:
         return ev
 
     def join(self, timing: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> torch.cuda.Event:
-        """An event after everything issued on the load streams."""
-        first = self._streams[0]
-        for st in self._streams[1:]:
-            first.wait_stream(st)
+        """An event after everything issued on the load stream."""
+        assert self._stream is not None
         if timing is not None:
-            timing[1].record(first)
+            timing[1].record(self._stream)
             return timing[1]
-        return first.record_event()
+        return self._stream.record_event()

@@ -101,7 +101,7 @@ class SpeculativeLoad:
 
     request_id: str
     queries: list[GroupQuery]
-    keys: tuple[bytes, ...]
+    """The pinning Lookup's queries (every group looks up the same keys)."""
     expected: dict[int, tuple[list[int], list[int]]]
     """Per group, the (slot, generation) the view gave for each key."""
     used: dict[int, set[int]] | None = None
@@ -112,7 +112,10 @@ class SpeculativeLoad:
     """Hit tokens the load counted (taken back if the answer disagrees)."""
     future: LookupFuture | None = None
     """The pinning Lookup, sent once the load's first copies are issued."""
-    sent: bool = False
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        return self.queries[0].block_hashes
 
     def confirmed_by(self, answer: LookupOutcome) -> bool:
         """Every slot the load read has, in the answer, the slot and generation the view gave."""

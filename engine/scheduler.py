@@ -108,23 +108,23 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.num_preemptions += 1
-        self.kv.free(req)
         self.connector.request_finished(req.request_id)
-        req.status = RequestStatus.WAITING
-        req.num_computed_tokens = 0
-        req.num_hashed_blocks = 0
-        self.waiting.appendleft(req)
+        self._requeue(req)
 
     def readmit(self, req: Request) -> None:
         """Undo this step's admission of ``req`` (its result is being dropped): its blocks go
         back and it is the next to be admitted. Not a preemption: nothing ran to completion."""
         self.running.remove(req)
+        self._requeue(req)
+        req.num_cached_tokens = -1  # counted again by the admission that holds
+        req.num_external_cached_tokens = 0
+
+    def _requeue(self, req: Request) -> None:
+        """Blocks freed, nothing computed: ``req`` is the next to be admitted."""
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_hashed_blocks = 0
-        req.num_cached_tokens = -1
-        req.num_external_cached_tokens = 0
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:

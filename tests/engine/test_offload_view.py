@@ -84,8 +84,8 @@ def _answer(*groups: tuple[int, tuple[int, ...], tuple[int, ...]]) -> LookupOutc
 
 def test_a_speculative_load_is_confirmed_only_by_the_same_slots_and_generations() -> None:
     keys = tuple(_keys(3))
-    load = SpeculativeLoad("r", [GroupQuery(0, keys)], keys, {0: ([4, 5, 6], [40, 50, 60]),
-                                                              1: ([7, -1, 9], [70, 0, 90])})
+    load = SpeculativeLoad("r", [GroupQuery(0, keys)], {0: ([4, 5, 6], [40, 50, 60]),
+                                                        1: ([7, -1, 9], [70, 0, 90])})
     load.used = {0: {0, 1, 2}, 1: {2}}  # the sliding group read only the block in its window
     assert load.confirmed_by(_answer((0, (4, 5, 6), (40, 50, 60)), (1, (-1, -1, 9), (0, 0, 90))))
     # A slot given again in between (same slot, new generation), a block elsewhere, a group or
