@@ -5,8 +5,8 @@ with ``NONE_HASH = H(canonical_CBOR(str(seed)))``. Blocks chain on the full dige
 form is the last 8 bytes as an unsigned big-endian int.
 
 Hashing a 4096-token prompt is on every request's path, so the common case (token ids that
-are non-negative ints below 2**64, bytes parent, no extra keys) builds the canonical CBOR
-bytes directly from a table of per-id encodings; anything else goes through cbor2. Both give
+are non-negative integers below 2**64, bytes parent, no extra keys) encodes every id's
+canonical CBOR at once with numpy and slices it per block; anything else goes through cbor2. Both give
 the same bytes (tests/events/test_hashing.py checks one against the other).
 """
 
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import cbor2
+import numpy as np
 import xxhash
 
 from events.schema import BlockHash
@@ -42,10 +42,12 @@ _DIGESTS: Final[dict[HashAlgo, Callable[[bytes], bytes]]] = {
     "xxh3_128_cbor": _xxh3_128,
 }
 
-_TABLE_SIZE: Final = 1 << 16
-"""Token ids below this get their CBOR encoding from a table (8 ms to build, ~3 MB)."""
-_UINT32: Final = struct.Struct(">BI").pack
-"""CBOR head 0x1a + 4 bytes: ids in [2**16, 2**32) (struct.error beyond)."""
+_ARG_BOUNDS: Final = np.array([24, 1 << 8, 1 << 16, 1 << 32], dtype=np.uint64)
+"""An id's width class is how many of these it reaches: 0 (in the head), 1, 2, 4 or 8 bytes."""
+_HEAD_BYTE: Final = np.array([0, 0x18, 0x19, 0x1A, 0x1B], dtype=np.uint8)
+_CODE_SIZE: Final = np.array([1, 2, 3, 5, 9], dtype=np.int64)
+_KEEP: Final = np.array([[c == 0 or c >= 9 - n for c in range(9)] for n in (0, 1, 2, 4, 8)])
+"""Per width class, the bytes of [head, 8-byte big-endian id] that its canonical CBOR keeps."""
 
 
 def canonical_cbor(value: Any) -> bytes:
@@ -62,27 +64,22 @@ def cbor_head(major: int, n: int) -> bytes:
     raise OverflowError(f"CBOR argument {n} does not fit in 64 bits")
 
 
-@functools.cache
-def _uint_table() -> tuple[bytes, ...]:
-    # Built on first use, not at import: most importers of this module never hash.
-    return tuple(cbor_head(0, i) for i in range(_TABLE_SIZE))
-
-
-def _token_codes(token_ids: Sequence[int]) -> list[bytes] | None:
-    """Canonical CBOR of each token id, or None when some id is not a non-negative integer
-    below 2**64 (the caller then takes the general cbor2 path, which decides what it means)."""
-    table = _uint_table()
-    try:
-        if not token_ids or min(token_ids) < 0:
-            return None if token_ids else []
-        return list(map(table.__getitem__, token_ids))
-    except IndexError:  # an id >= _TABLE_SIZE (large vocabularies)
-        try:
-            return [table[t] if t < _TABLE_SIZE else _UINT32(0x1A, t) for t in token_ids]
-        except (TypeError, struct.error):  # ids >= 2**32 (no vocabulary) or non-integers
-            return None
-    except TypeError:  # floats, strings, ...: cbor2 after int()
-        return None
+def _encode_ids(token_ids: Sequence[int] | np.ndarray) -> tuple[bytes, np.ndarray] | None:
+    """The canonical CBOR of every id, concatenated, and each id's encoded size; None when
+    some id is not an integer in [0, 2**64) (the caller then takes the general cbor2 path,
+    which decides what such an id means). Vectorized: a 4096-token prompt in ~0.1 ms."""
+    ids = token_ids if isinstance(token_ids, np.ndarray) else np.array(token_ids)
+    n = len(ids)
+    if n == 0:
+        return b"", np.zeros(0, dtype=np.int64)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or (ids.dtype.kind == "i" and ids.min() < 0):
+        return None  # floats, strings, bools only, negatives, bignums (object arrays)
+    v = ids.astype(np.uint64, copy=False)
+    width = np.searchsorted(_ARG_BOUNDS, v, side="right")
+    rows = np.empty((n, 9), dtype=np.uint8)
+    rows[:, 1:] = v.astype(">u8").view(np.uint8).reshape(n, 8)
+    rows[:, 0] = np.where(width == 0, v.astype(np.uint8), _HEAD_BYTE[width])
+    return rows[_KEEP[width]].tobytes(), _CODE_SIZE[width]
 
 
 def to_wire(digest: bytes) -> BlockHash:
@@ -122,9 +119,9 @@ class BlockHasher:
         """Digest of one block given its parent's digest (None for the first block)."""
         parent_digest = self.none_hash if parent is None else parent
         if extra_keys is None and type(parent_digest) is bytes:
-            codes = _token_codes(token_ids)
-            if codes is not None:
-                return self._chain(parent_digest, codes, len(codes))[0]
+            encoded = _encode_ids(token_ids)
+            if encoded is not None:
+                return self._chain(parent_digest, encoded[0], [len(encoded[0])], len(token_ids))[0]
         return self._hash_general(parent_digest, token_ids, extra_keys)
 
     def hash_blocks(
@@ -138,9 +135,11 @@ class BlockHasher:
         end = len(token_ids) - len(token_ids) % bs
         parent_digest = self.none_hash if parent is None else parent
         if extra_keys is None and type(parent_digest) is bytes:
-            codes = _token_codes(token_ids if end == len(token_ids) else token_ids[:end])
-            if codes is not None:
-                return self._chain(parent_digest, codes, bs)
+            encoded = _encode_ids(token_ids if end == len(token_ids) else token_ids[:end])
+            if encoded is not None:
+                flat, sizes = encoded
+                ends = sizes.reshape(-1, bs).sum(axis=1).cumsum().tolist() if end else []
+                return self._chain(parent_digest, flat, ends, bs)
         out: list[bytes] = []
         for start in range(0, end, bs):
             parent_digest = self._hash_general(parent_digest, token_ids[start : start + bs], extra_keys)
@@ -167,8 +166,9 @@ class BlockHasher:
         payload = canonical_cbor([parent, [int(t) for t in token_ids], keys])
         return _DIGESTS[self.algo](payload)
 
-    def _chain(self, parent: bytes, codes: list[bytes], n: int) -> list[bytes]:
-        """Chain over blocks of ``n`` pre-encoded ids: [parent, [ids], null] by hand."""
+    def _chain(self, parent: bytes, encoded: bytes, ends: list[int], n: int) -> list[bytes]:
+        """Chain over blocks of ``n`` ids whose CBOR is ``encoded[ends[i-1]:ends[i]]``:
+        [parent, [ids], null] by hand."""
         digest = _DIGESTS[self.algo]
         join = b"".join
         ids_head = cbor_head(4, n)
@@ -176,8 +176,10 @@ class BlockHasher:
         head = b"\x83" + cbor_head(2, len(parent))
         chained = b"\x83" + cbor_head(2, self.digest_bytes)
         out: list[bytes] = []
-        for start in range(0, len(codes), n) if n else (0,):
-            parent = digest(join((head, parent, ids_head, join(codes[start : start + n]), b"\xf6")))
+        start = 0
+        for stop in ends:
+            parent = digest(join((head, parent, ids_head, encoded[start:stop], b"\xf6")))
             out.append(parent)
             head = chained
+            start = stop
         return out
