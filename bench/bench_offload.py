@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -465,6 +466,8 @@ def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir:
     finally:
         daemon.stop()
         redis.stop()
+        # The arena outlives the daemon by design (recovery); this one is ours to remove.
+        shutil.rmtree(daemon.arena_dir, ignore_errors=True)
 
 
 def main() -> None:
