@@ -111,7 +111,7 @@ class SpeculativeLoad:
     tokens: int = 0
     """Hit tokens the load counted (taken back if the answer disagrees)."""
     future: LookupFuture | None = None
-    """The pinning Lookup, sent once the load's first copies are issued."""
+    """The pinning Lookup, sent at admission without waiting for its answer."""
 
     @property
     def keys(self) -> tuple[bytes, ...]:
