@@ -109,6 +109,13 @@ class BlockPool:
         out.sort()
         return out
 
+    def uncache(self, block_ids: Sequence[int]) -> None:
+        """Forget the digests of these blocks (their KV turned out wrong): BlockRemoved each."""
+        for b in block_ids:
+            blk = self.blocks[b]
+            if blk.digest is not None:
+                self._evict(blk)
+
     def _evict(self, blk: Block) -> None:
         assert blk.digest is not None
         if self.hash_to_block.get(blk.digest) == blk.block_id:

@@ -113,6 +113,12 @@ class OffloadingConnector:
         """Requests whose speculative load failed: their next admission asks first."""
         self._outbox: list[ReleaseJob | StoreJob] = []
         """The step's stores and load releases, handed to the worker by ``step_done``."""
+        self._held: dict[str, list[StoreJob]] = {}
+        """Stores of requests whose load ``check_loads`` has not confirmed yet, by request."""
+        self._copied: torch.cuda.Event | None = None
+        """After this step's layer-by-layer copies (set by ``store``)."""
+        self._stored = False
+        """``store`` ran for this step (``step_done`` ends the step)."""
         self._loader: LayerLoader | None = None
         self._layer_loads: LayerLoads | None = None
         """This step's layer-by-layer loads (``layerwise``): the step waits on them per layer."""
@@ -259,15 +265,25 @@ class OffloadingConnector:
                 self.view.learn(r.group_idx, keys[:n], r.slots, r.generations)
 
     def check_loads(self) -> set[str]:
-        """After the step was enqueued, before its result is used: the requests whose loads
-        started from the view and that the daemon's answer did not confirm. Their step's
-        result must be dropped and they must be admitted again (they then ask first)."""
+        """After ``store``, before the step's result is used: the requests whose loads started
+        from the view and that the daemon's answer did not confirm. Their step's result must
+        be dropped (the stores prepared for them are) and they must be admitted again (they
+        then ask first)."""
         checks, self._checks = self._checks, []
         bad: set[str] = set()
         for check in checks:
             if not self._confirm(check):
                 bad.add(check.request_id)
                 self._no_speculation.add(check.request_id)
+        held, self._held = self._held, {}
+        for request_id, jobs in held.items():
+            if request_id not in bad:
+                self._outbox.extend(jobs)
+                continue
+            self.batcher.drop(request_id)
+            for job in jobs:
+                self.metrics.add(pending_store_bytes=-job.staging.numel() * job.staging.element_size())
+        self._release_loaded()
         return bad
 
     def _send(self, check: SpeculativeLoad) -> None:
@@ -383,13 +399,12 @@ class OffloadingConnector:
         self._seen.discard(request_id)
         self._no_speculation.discard(request_id)
 
-    def _release_loaded(self, copied: torch.cuda.Event | None = None) -> None:
-        """Release the step's load leases once their copies completed (``copied``: the event
-        after the layer-by-layer copies)."""
-        if self._checks:  # the step failed before check_loads: only the leases matter now
-            self.check_loads()
+    def _release_loaded(self) -> None:
+        """Release the step's load leases once their copies completed (a whole load's own
+        event, or the one after this step's layer-by-layer copies)."""
         leases, self._loaded_leases = self._loaded_leases, []
-        self._outbox.extend(ReleaseJob(lease_id, done or copied, timing) for lease_id, done, timing in leases if lease_id)
+        self._outbox.extend(ReleaseJob(lease_id, done or self._copied, timing)
+                            for lease_id, done, timing in leases if lease_id)
 
     def _unpin(self, request_id: str) -> None:
         pinned = self._pinned.pop(request_id, None)
@@ -411,20 +426,26 @@ class OffloadingConnector:
     # -- store --------------------------------------------------------------------------
 
     def store(self, new_blocks: Sequence[NewBlocks]) -> None:
-        self._release_loaded(self._finish_loads())
+        self._stored = True
+        self._copied = self._finish_loads()
+        self._release_loaded()
         skip, self._just_loaded = self._just_loaded, set()
         if not new_blocks or not self.config.store or not self._active():
             return
         assert self.worker is not None
-        by_group: dict[int, list[NewBlocks]] = {}
+        # Blocks of a request whose load is not confirmed yet are held apart until it is.
+        unconfirmed = {c.request_id for c in self._checks}
+        by_group: dict[tuple[int, str], list[NewBlocks]] = {}
         for nb in new_blocks:
-            by_group.setdefault(nb.group_idx, []).append(nb)
+            key = nb.request_id if nb.request_id in unconfirmed else ""
+            by_group.setdefault((nb.group_idx, key), []).append(nb)
         for g in self.groups:
-            batch = by_group.get(g.spec.group_idx)
-            if batch:
-                self._store_group(g, batch, skip)
+            for (gi, key), batch in by_group.items():
+                if gi == g.spec.group_idx:
+                    self._store_group(g, batch, skip, self._held.setdefault(key, []) if key else self._outbox)
 
-    def _store_group(self, group: KVCacheGroup, batch: list[NewBlocks], skip: set[bytes]) -> None:
+    def _store_group(self, group: KVCacheGroup, batch: list[NewBlocks], skip: set[bytes],
+                     into: list[StoreJob] | list[ReleaseJob | StoreJob]) -> None:
         assert self.worker is not None
         arena = self.arenas[group.spec.group_idx]
         if self.metrics.counters.pending_store_bytes > self.config.max_pending_store_bytes:
@@ -442,11 +463,16 @@ class OffloadingConnector:
             ready = torch.cuda.Event()
             ready.record()
         self.metrics.add(pending_store_bytes=nbytes)
-        self._outbox.append(StoreJob(group.spec.group_idx, arena, out.staging, ready, out.blocks, self.k))
+        into.append(StoreJob(group.spec.group_idx, arena, out.staging, ready, out.blocks, self.k))
 
     def step_done(self) -> None:
         """Hand the step's stores and releases to the worker (after the step's outputs were
         made: the woken worker shares the GIL with this thread from then on)."""
+        if self._checks or self._held:  # the step failed before check_loads: settle its leases
+            if not self._stored:
+                self.store([])
+            self.check_loads()
+        self._stored, self._copied = False, None
         jobs, self._outbox = self._outbox, []
         if self.worker is not None:
             for job in jobs:
@@ -473,7 +499,7 @@ class OffloadingConnector:
         return self.worker.wait_idle(timeout_s) if self.worker is not None else True
 
     def close(self) -> None:
-        self._release_loaded(self._finish_loads())
+        self.store([])
         self.step_done()
         for request_id in list(self._pinned):
             self._unpin(request_id)

@@ -164,30 +164,34 @@ class EngineCore:
         ]
         try:
             logits = self.runner.execute(out, sample_rows, self.connector.take_layer_waits())
-            redo = self.connector.check_loads()
         except BaseException:
-            self.connector.store([])  # completes the step's loads and releases their pins
-            self.connector.step_done()
+            self.connector.store([])  # completes the step's loads
+            self.connector.step_done()  # and releases their pins
             raise
         try:
-            return self._finish_step(out.scheduled, redo, logits, sample_rows)
+            return self._finish_step(out.scheduled, logits, sample_rows)
         finally:
             # The connector's background work starts only now: its worker thread never holds
             # the GIL while this thread waits for the tokens or makes the outputs.
             self.connector.step_done()
 
     def _finish_step(
-        self, scheduled: list[ScheduledRequest], redo: set[str], logits: torch.Tensor, sample_rows: list[int],
+        self, scheduled: list[ScheduledRequest], logits: torch.Tensor, sample_rows: list[int],
     ) -> list[StepOutput]:
-        if redo:
-            logits, sample_rows = self._drop(scheduled, redo, logits, sample_rows)
         new_blocks = []
         for s in scheduled:
             s.request.num_computed_tokens = s.start + s.num_new_tokens
             new_blocks.extend(self.kv.register_full_blocks(s.request))
         # Before any request finishes, so the blocks are still the request's own; the copies it
-        # needs are enqueued behind the step, before the tokens are read.
+        # needs are enqueued behind the step, before the tokens are read. All of this runs
+        # while the GPU works and before the loads that started from the engine's view of
+        # the host tier are checked (the daemon's answer may come late).
         self.connector.store(new_blocks)
+        redo = self.connector.check_loads()
+        if redo:
+            # Wrong KV was loaded: nothing of it may stay cached, nor anything that shares it.
+            redo = self.kv.forget_blocks(new_blocks, redo, [s.request for s in scheduled])
+            logits, sample_rows = self._drop(scheduled, redo, logits, sample_rows)
         reqs = [scheduled[i].request for i in sample_rows]
         tokens: list[int] | None = None
         logits_cpu: torch.Tensor | None = None

@@ -3,6 +3,8 @@ sliding-window freeing, and registration of newly full blocks."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine.block_pool import NULL_BLOCK_ID, BlockPool, all_blocks_cleared
 from engine.kv_cache import KVCacheGroupSpec
 from engine.offload import NewBlocks
@@ -181,6 +183,29 @@ class KVCacheManager:
                 )
         req.num_hashed_blocks = num_full
         return out
+
+    def forget_blocks(self, new_blocks: Sequence[NewBlocks], bad: set[str], requests: Sequence[Request]) -> set[str]:
+        """Un-cache the blocks that the requests in ``bad`` registered this step (their KV is
+        wrong; BlockRemoved for each). Returns ``bad`` grown by every request of ``requests``
+        whose table holds one of them (it took it as a prefix-cache duplicate): its own
+        blocks go too, and it must be computed again like the others."""
+        bad = set(bad)
+        while True:
+            gone = {(nb.group_idx, b) for nb in new_blocks if nb.request_id in bad for b in nb.block_ids}
+            more = {
+                r.request_id for r in requests
+                if r.request_id not in bad and any(
+                    (pool.group_idx, b) in gone
+                    for pool, blocks in zip(self.pools, self.block_tables.get(r.request_id, ()), strict=False)
+                    for b in blocks
+                )
+            }
+            if not more:
+                break
+            bad |= more
+        for pool in self.pools:
+            pool.uncache([b for gi, b in gone if gi == pool.group_idx])
+        return bad
 
     def block_table(self, request_id: str) -> list[list[int]]:
         return self.block_tables[request_id]

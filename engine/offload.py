@@ -2,10 +2,10 @@
 
 The scheduler calls ``lookup``/``load`` on admission, after the GPU prefix-cache hit; the engine
 takes the loads still in flight (``take_layer_waits``) and runs the step waiting for each layer's
-load right before that layer, asks which loads proved wrong (``check_loads``), then calls
-``store`` with the blocks that became full and got their hash in the step (before it reads the
-step's tokens), ``step_done`` once the step's outputs are made, and ``request_finished`` when a
-request leaves. The real connector (engine/connector.py) talks to offloadd; the engine core
+load right before that layer, calls ``store`` with the blocks that became full and got their hash
+in the step, then asks which loads proved wrong (``check_loads``; both before it reads the step's
+tokens), ``step_done`` once the step's outputs are made, and ``request_finished`` when a request
+leaves. The real connector (engine/connector.py) talks to offloadd; the engine core
 only knows this protocol.
 """
 
@@ -70,14 +70,16 @@ class OffloadConnector(Protocol):
         ...
 
     def check_loads(self) -> set[str]:
-        """After the step was enqueued, before its result is used: the requests whose loads
-        turned out wrong (started from slots the second tier no longer held for them). Their
-        result is dropped and they are admitted again."""
+        """After ``store``, before the step's result is used: the requests whose loads turned
+        out wrong (started from slots the second tier no longer held for them). What ``store``
+        got for them is dropped; the engine forgets the blocks they registered in the step,
+        drops their result and admits them again."""
         ...
 
     def store(self, new_blocks: Sequence[NewBlocks]) -> None:
         """After a step: blocks that became full and hashed in it. Must not block generation.
-        Called after every step that ran, first of all completing its loads (stream order)."""
+        Called after every step that ran, before ``check_loads``, first of all completing its
+        loads (stream order)."""
         ...
 
     def step_done(self) -> None:

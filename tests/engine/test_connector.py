@@ -13,9 +13,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from engine.connector import OffloadingConnector
 from engine.connector_config import OffloadConnectorConfig
+from engine.event_sink import RecordingEventSink
 from engine.llm import LLM
 from engine.sampling import SamplingParams
 from engine.step_graphs import StepGraphs
+from events.hashing import to_wire
 from offloadd.client import OffloadClient
 from tests.support.offloadd_proc import DaemonProcess
 
@@ -155,6 +157,45 @@ def test_a_stale_view_of_the_host_tier_redoes_the_step(model: Path, daemon: Daem
     assert again.outputs[0].token_ids == want[0].outputs[0].token_ids
     assert conn.flush()
     assert conn.stats()["speculative_loads"] == 1
+    conn.close()
+
+
+def test_a_dropped_step_stores_and_caches_nothing(model: Path, daemon: DaemonProcess) -> None:
+    """A stale view makes A's step read B's KV, and that step also computes A's next block.
+    The step's stores and GPU-cache registrations run before the daemon's answer is checked;
+    once it disagrees, that block is neither sent to the host tier nor left in the GPU prefix
+    cache: what both tiers hold for it afterwards is what the redone step computed."""
+    conn = _connector(daemon)
+    sink = RecordingEventSink()
+    llm = LLM(str(model), event_sink=sink, connector=conn, num_gpu_blocks=64, max_num_batched_tokens=256)
+    ref = _llm(model)
+    a, b = _prompt(4 * BS, 41), _prompt(4 * BS + 3, 42)
+    llm.generate([a[: 3 * BS + 1], b], GREEDY)  # A's first 3 blocks and B's 4 in the host tier
+    assert conn.flush() and llm.reset_prefix_cache()
+    digests_a, digests_b = llm.engine.hasher.hash_blocks(a), llm.engine.hasher.hash_blocks(b)
+    for g in llm.engine.kv_groups:
+        slots_b, gens_b = conn.view.find(g.spec.group_idx, digests_b[:3])
+        conn.view.learn(g.spec.group_idx, digests_a[:3], slots_b, gens_b)
+    sink.take()
+    got = llm.generate(a, GREEDY)[0]
+    assert got.outputs[0].token_ids == ref.generate(a, GREEDY)[0].outputs[0].token_ids
+    assert conn.flush()
+    assert conn.stats()["speculation_failed"] == 1
+    # GPU events of A's block 3: stored by the dropped step and removed in the same step,
+    # then stored by the redone one (once per group).
+    wire = to_wire(digests_a[3])
+    kinds = [type(e).__name__ for e in sink.take()
+             if wire in getattr(e, "block_hashes", ()) and getattr(e, "medium", "GPU") == "GPU"]
+    groups = len(llm.engine.kv_groups)
+    assert kinds == ["BlockStored"] * groups + ["BlockRemoved"] * groups + ["BlockStored"] * groups
+    with OffloadClient(daemon.target) as client:
+        for g, pool in zip(llm.engine.kv_groups, llm.engine.kv.pools, strict=True):
+            gi = g.spec.group_idx
+            block = pool.get_cached_block(digests_a[3])
+            assert block is not None
+            (held,) = client.read_blocks("e1", gi, [digests_a[3]])
+            mine = conn.arenas[gi].gather(g.tensor, [block])
+            assert held.data == mine.numpy().tobytes()
     conn.close()
 
 
@@ -336,14 +377,14 @@ def test_load_lease_is_released_after_the_step(plain_model: Path, daemon: Daemon
     digests = llm.engine.hasher.hash_blocks(prompt)
     assert conn.lookup("r1", digests, 0) == 4
     conn.load("r1", digests, {0: [1, 2, 3, 4]})
-    assert conn.check_loads() == set()  # the pin's answer agrees with the engine's view
 
     def pinned() -> int:
         with OffloadClient(daemon.target) as c:
             return sum(x.num_pinned for x in c.stats().layouts)
 
-    assert pinned() == 4
-    conn.store([])  # the step is over: the release is prepared, not yet handed over
+    conn.store([])  # the step is over: its loads complete in stream order
+    assert conn.check_loads() == set()  # the pin's answer agrees with the engine's view
+    assert pinned() == 4  # the release is prepared, not yet handed over
     assert conn.worker is not None and conn.worker.wait_idle(5)
     assert pinned() == 4
     conn.step_done()  # the step's outputs are made
