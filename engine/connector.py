@@ -282,7 +282,7 @@ class OffloadingConnector:
                 continue
             self.batcher.drop(request_id)
             for job in jobs:
-                self.metrics.add(pending_store_bytes=-job.staging.numel() * job.staging.element_size())
+                self.metrics.add(pending_store_bytes=-job.staging.nbytes)
         self._release_loaded()
         return bad
 
@@ -439,10 +439,9 @@ class OffloadingConnector:
         for nb in new_blocks:
             key = nb.request_id if nb.request_id in unconfirmed else ""
             by_group.setdefault((nb.group_idx, key), []).append(nb)
-        for g in self.groups:
-            for (gi, key), batch in by_group.items():
-                if gi == g.spec.group_idx:
-                    self._store_group(g, batch, skip, self._held.setdefault(key, []) if key else self._outbox)
+        groups = {g.spec.group_idx: g for g in self.groups}
+        for (gi, key), batch in by_group.items():
+            self._store_group(groups[gi], batch, skip, self._held.setdefault(key, []) if key else self._outbox)
 
     def _store_group(self, group: KVCacheGroup, batch: list[NewBlocks], skip: set[bytes],
                      into: list[StoreJob] | list[ReleaseJob | StoreJob]) -> None:
@@ -454,7 +453,7 @@ class OffloadingConnector:
         out = self.batcher.batch(group, arena, batch, skip)
         if out is None:
             return
-        nbytes = out.staging.numel() * out.staging.element_size()
+        nbytes = out.staging.nbytes
         if self.metrics.counters.pending_store_bytes + nbytes > self.config.max_pending_store_bytes:
             self.metrics.add(stores_dropped=1)
             return

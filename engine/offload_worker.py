@@ -121,7 +121,7 @@ class OffloadWorker:
             self.on_unregistered()
 
     def _store(self, job: StoreJob) -> None:
-        nbytes = job.staging.numel() * job.staging.element_size()
+        nbytes = job.staging.nbytes
         try:
             self._reserve_copy_commit(job)
         finally:
