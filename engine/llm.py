@@ -58,9 +58,7 @@ class LLM:
         for p in per:
             p.validate()
         prepared = [self.engine.prepare_prompt(prompt, plain_ints=plain_ints) for prompt in batch]
-        reqs = [
-            self.engine.add_prepared(text, ids, pa) for (text, ids), pa in zip(prepared, per, strict=True)
-        ]
+        reqs = [self.engine.add_prepared(prompt, pa) for prompt, pa in zip(prepared, per, strict=True)]
         while self.engine.has_unfinished:
             self.engine.step()
         return [_output(r) for r in reqs]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -18,6 +19,16 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A checked prompt: its text (None when given as token ids), its ids, and the same ids
+    as a read-only int64 array (None only where some id cannot be one)."""
+
+    text: str | None
+    token_ids: list[int]
+    ids: np.ndarray | None
+
+
 @dataclass
 class Request:
     """Tokens, progress and sampling state of one sequence."""
@@ -29,6 +40,8 @@ class Request:
     eos_token_ids: tuple[int, ...]
     generator: torch.Generator
     prompt: str | None = None
+    prompt_array: np.ndarray | None = None
+    """``prompt_token_ids`` as an int64 array, hashed without a conversion (None: hash the list)."""
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -70,8 +83,11 @@ class Request:
         if have < num_blocks:
             bs = hasher.block_size
             parent = self._digests[-1] if have else None
+            start, end = have * bs, num_blocks * bs
+            ids = self.prompt_array
+            tokens = ids[start:end] if ids is not None and end <= len(ids) else self.token_ids(start, end)
             # One call for all new blocks: the hasher's fast path works on a whole prompt.
-            self._digests.extend(hasher.hash_blocks(self.token_ids(have * bs, num_blocks * bs), parent))
+            self._digests.extend(hasher.hash_blocks(tokens, parent))
         return self._digests[:num_blocks]
 
 

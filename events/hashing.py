@@ -126,11 +126,12 @@ class BlockHasher:
 
     def hash_blocks(
         self,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | np.ndarray,
         parent: bytes | None = None,
         extra_keys: Sequence[Any] | None = None,
     ) -> list[bytes]:
-        """Digests of every full block of ``token_ids``; a trailing partial block is skipped."""
+        """Digests of every full block of ``token_ids`` (a list, or a 1-D integer array: no
+        conversion); a trailing partial block is skipped."""
         bs = self.block_size
         end = len(token_ids) - len(token_ids) % bs
         parent_digest = self.none_hash if parent is None else parent
@@ -161,7 +162,7 @@ class BlockHasher:
             out.append(parent_digest)
         return out
 
-    def _hash_general(self, parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[Any] | None) -> bytes:
+    def _hash_general(self, parent: bytes, token_ids: Sequence[int] | np.ndarray, extra_keys: Sequence[Any] | None) -> bytes:
         keys = None if extra_keys is None else tuple(extra_keys)
         payload = canonical_cbor([parent, [int(t) for t in token_ids], keys])
         return _DIGESTS[self.algo](payload)

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -28,6 +29,8 @@ def llm(plain_model: Path) -> LLM:
         ([], SamplingParams(), "prompt is empty"),
         ([1] * 128, SamplingParams(), "prompt is too long: 128 tokens, but max_model_len is 128"),
         ([1, 2, 600], SamplingParams(), r"token ids out of range \[0, 512\): \[600\]"),
+        ([-3, 2], SamplingParams(), r"token ids out of range \[0, 512\): \[-3\]"),
+        ([1, 2**63, 2**70], SamplingParams(), r"token ids out of range \[0, 512\): \[9223372036854775808, "),
         ("hi", SamplingParams(temperature=-0.5), "temperature must be a finite number >= 0, got -0.5"),
         ("hi", SamplingParams(temperature=float("nan")), "temperature must be a finite number >= 0"),
         ("hi", SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
@@ -179,3 +182,17 @@ def test_int_like_token_ids_become_plain_ints(llm: LLM) -> None:
     assert req.prompt_token_ids == [5, 6, 7]
     while llm.engine.has_unfinished:
         llm.engine.step()
+
+
+def test_a_prompt_is_hashed_from_its_checked_array(llm: LLM) -> None:
+    """The prompt check hands the ids on as a read-only int64 array, and the block digests
+    made from it equal those made from the list."""
+    engine = llm.engine
+    prompt = list(range(3, 40))
+    req = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert req.prompt_array is not None and req.prompt_array.dtype == np.int64
+    assert req.prompt_array.tolist() == prompt and not req.prompt_array.flags.writeable
+    while engine.has_unfinished:
+        engine.step()
+    bs = engine.hasher.block_size
+    assert req.block_digests(engine.hasher, len(prompt) // bs) == engine.hasher.hash_blocks(prompt)

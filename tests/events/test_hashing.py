@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import pytest
 import xxhash
 from hypothesis import given
@@ -121,6 +122,11 @@ def test_fast_path_matches_cbor2_path(
     want = hasher.hash_blocks_general(tokens, parent)
     assert hasher.hash_blocks(tokens, parent) == want
     assert len(want) == len(tokens) // block_size
+    # The engine hands a checked prompt over as an int64 (or uint64) array.
+    if all(0 <= t < 2**64 for t in tokens):
+        for dtype in (np.int64, np.uint64):
+            if all(t < np.iinfo(dtype).max for t in tokens):
+                assert hasher.hash_blocks(np.array(tokens, dtype=dtype), parent) == want
     # One block of any length (hash_block takes what it is given) against cbor2.
     assert hasher.hash_block(parent, tokens) == hasher._hash_general(
         hasher.none_hash if parent is None else parent, tokens, None
