@@ -50,6 +50,74 @@ def chunk_path_template(arena_dir: str, namespace: str, layout_id: int) -> str:
     return os.path.join(arena_dir, f"kvd-{namespace}-L{layout_id}-C{{chunk}}")
 
 
+def generations_path(chunk_path_template: str) -> str:
+    """The layout's slot generation table (:class:`SlotGenerations`), beside its chunk files."""
+    return chunk_path_template.format(chunk="gen")
+
+
+GENERATION_BYTES = 8
+"""One native-endian uint64 per slot: the daemon and its engines share the machine."""
+
+
+class SlotGenerations:
+    """Per slot, the generation of the block it serves now (0: none), published in shared
+    memory so that an engine can check what it remembered without asking (DECISIONS 22).
+
+    The daemon writes it (``writable``): a slot's entry is the block's generation while the
+    block is READY and verified, and 0 from the moment it stops being servable (evicting,
+    removed) or the slot is handed to a writer. Generations are never reused, so a reader that
+    sees the same non-zero value before and after reading the slot read that block's bytes.
+    """
+
+    def __init__(self, path: str, max_slots: int, *, writable: bool = False) -> None:
+        self.path = path
+        size = max_slots * GENERATION_BYTES
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size < size:
+                raise ValueError(f"generation table {path} is smaller than {size} bytes")
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+            self.inode = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+        self.values = memoryview(self._mm).cast("Q")
+
+    @classmethod
+    def create(cls, path: str, max_slots: int, mode: int, gid: int | None) -> SlotGenerations:
+        """The daemon's table, all zeros: nothing is servable until published again."""
+        create_chunk_file(path, max_slots * GENERATION_BYTES, mode, gid)
+        table = cls(path, max_slots, writable=True)
+        table.clear()
+        return table
+
+    def clear(self) -> None:
+        self._mm[:] = bytes(len(self._mm))
+
+    def __setitem__(self, slot: int, generation: int) -> None:
+        self.values[slot] = generation
+
+    def __getitem__(self, slot: int) -> int:
+        return int(self.values[slot])
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def is_stale(self) -> bool:
+        """True when the file was replaced or removed (the daemon made a new arena)."""
+        try:
+            return os.stat(self.path).st_ino != self.inode
+        except FileNotFoundError:
+            return True
+
+    def close(self) -> None:
+        self.values.release()
+        try:
+            self._mm.close()
+        except BufferError:  # a reader still holds a view (numpy); the map goes with it
+            log.debug("generation table still referenced at close")
+
+
 def create_chunk_file(path: str, size: int, mode: int, gid: int | None) -> None:
     """Create (or keep, on a warm restart) one chunk file of ``size`` bytes with ``mode``."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)

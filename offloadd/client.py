@@ -25,7 +25,7 @@ from events.codec_proto import record_from_proto, snapshot_from_proto
 from events.schema import LogRecord
 from events.state import Snapshot
 from offloadd import client_codec as codec
-from offloadd.arena import ArenaGeometry, ArenaMapping
+from offloadd.arena import ArenaGeometry, ArenaMapping, SlotGenerations
 from offloadd.client_codec import BlockData, CommitOutcome, EngineRegistration
 from offloadd.ingest_stream import IngestStream
 from offloadd.messages import (
@@ -46,7 +46,7 @@ __all__ = [
     "ClientSecurity", "CommitOutcome", "EngineRegistration", "GroupArenaInfo", "GroupHit",
     "GroupQuery", "GroupSpec", "IngestStream", "LookupFuture", "LookupOutcome", "OffloadClient",
     "OffloadClientError",
-    "OffloadUnavailable", "ReserveOutcome", "ReserveStatus", "RetryPolicy", "StoreStats",
+    "OffloadUnavailable", "ReserveOutcome", "ReserveStatus", "RetryPolicy", "SlotGenerations", "StoreStats",
 ]
 
 T = TypeVar("T")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvcache.v1 import offload_pb2
 
-from offloadd.arena import ArenaGeometry, ArenaMapping
+from offloadd.arena import ArenaGeometry, ArenaMapping, SlotGenerations, generations_path
 from offloadd.messages import (
     BlockToStore,
     GroupArenaInfo,
@@ -35,6 +35,12 @@ class EngineRegistration:
         return ArenaMapping(
             ArenaGeometry(g.slot_bytes, g.slots_per_chunk, g.max_slots, g.chunk_path_template)
         )
+
+    def map_generations(self, group_idx: int) -> SlotGenerations:
+        """Map this group's generation table read-only: per slot, the generation of the block
+        it serves now (0: none). FileNotFoundError from a daemon that publishes none."""
+        g = self.groups[group_idx]
+        return SlotGenerations(generations_path(g.chunk_path_template), g.max_slots)
 
 
 @dataclass(frozen=True)

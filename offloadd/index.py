@@ -4,14 +4,26 @@ Pure bookkeeping, no I/O. The three collections (``entries``, ``free``, the poli
 set) change together here and nowhere else. States: RESERVED (being copied in, invisible to
 Lookup), READY (committed, readable), EVICTING (chosen as a victim, removal being logged).
 Only READY blocks with no pins are evictable.
+
+Every transition also keeps ``published[slot]`` (the arena's shared generation table, when
+given) equal to the generation of the READY, verified block the slot serves, else 0: set on
+commit, verification and a reverted eviction; cleared on choosing a victim, removal and
+before a slot is handed to a writer.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol
 
 from offloadd.eviction import ArcPolicy, LruPolicy
+
+
+class GenerationTable(Protocol):
+    """Where each slot's servable generation is published (offloadd.arena.SlotGenerations)."""
+
+    def __setitem__(self, slot: int, generation: int) -> None: ...
 
 
 class BlockState(enum.Enum):
@@ -36,7 +48,8 @@ class SlotEntry:
 
 
 class LayoutIndex:
-    def __init__(self, policy: LruPolicy | ArcPolicy) -> None:
+    def __init__(self, policy: LruPolicy | ArcPolicy, published: GenerationTable | None = None) -> None:
+        self.published = published
         self.entries: dict[bytes, SlotEntry] = {}
         self.free: list[int] = []  # popped from the end: lowest slot first
         self.num_slots = 0
@@ -64,8 +77,18 @@ class LayoutIndex:
 
     # -- transitions ----------------------------------------------------------------------
 
+    def _publish(self, entry: SlotEntry) -> None:
+        if self.published is not None:
+            ok = entry.state is BlockState.READY and entry.verified
+            self.published[entry.slot] = entry.generation if ok else 0
+
+    def _retract(self, slot: int) -> None:
+        if self.published is not None:
+            self.published[slot] = 0
+
     def reserve(self, digest: bytes, slot: int, entry_fields: SlotEntry) -> None:
         assert digest not in self.entries, "reserve of a present block"
+        self._retract(slot)  # before anyone may write the slot
         entry_fields.slot = slot
         entry_fields.state = BlockState.RESERVED
         self.entries[digest] = entry_fields
@@ -76,6 +99,7 @@ class LayoutIndex:
         entry = self.entries.pop(digest)
         assert entry.state is BlockState.RESERVED
         self.num_reserved -= 1
+        self._retract(entry.slot)
         self.free.append(entry.slot)
 
     def commit(self, digest: bytes, checksum: int) -> None:
@@ -87,6 +111,7 @@ class LayoutIndex:
         self.num_reserved -= 1
         self.num_ready += 1
         self.policy.add(digest)
+        self._publish(entry)
 
     def insert_ready(self, entries: dict[bytes, SlotEntry]) -> None:
         """Recovery: committed blocks at known slots, READY (call :meth:`rebuild_free` after)."""
@@ -94,6 +119,14 @@ class LayoutIndex:
         self.entries.update(entries)
         self.num_ready += len(entries)
         self.policy.add_many(list(entries))
+        for entry in entries.values():
+            self._publish(entry)
+
+    def mark_verified(self, digest: bytes) -> None:
+        """Its bytes matched its checksum: a READY block becomes servable without asking."""
+        entry = self.entries[digest]
+        entry.verified = True
+        self._publish(entry)
 
     def rebuild_free(self) -> None:
         used = {e.slot for e in self.entries.values()}
@@ -122,7 +155,9 @@ class LayoutIndex:
         victims = self.policy.victims(n)
         for digest in victims:
             self.policy.remove(digest)
-            self.entries[digest].state = BlockState.EVICTING
+            entry = self.entries[digest]
+            entry.state = BlockState.EVICTING
+            self._retract(entry.slot)
             self.num_ready -= 1
         return victims
 
@@ -132,6 +167,7 @@ class LayoutIndex:
         assert entry.state is BlockState.READY and entry.pins == 0
         self.policy.remove(digest)
         entry.state = BlockState.EVICTING
+        self._retract(entry.slot)
         self.num_ready -= 1
 
     def restore(self, digests: list[bytes]) -> None:
@@ -142,6 +178,7 @@ class LayoutIndex:
             entry.state = BlockState.READY
             self.num_ready += 1
             self.policy.add(digest)
+            self._publish(entry)
 
     def remove(self, digest: bytes) -> SlotEntry:
         """The block left the tier (its removal is logged): free its slot."""
@@ -154,5 +191,6 @@ class LayoutIndex:
         if entry.pins:
             self.num_pinned -= 1
         self.policy.evicted(digest)
+        self._retract(entry.slot)
         self.free.append(entry.slot)
         return entry

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 import msgspec
 import xxhash
 
-from offloadd.arena import ArenaGeometry, ArenaMapping, chunk_path_template, create_chunk_file
+from offloadd.arena import (
+    ArenaGeometry,
+    ArenaMapping,
+    SlotGenerations,
+    chunk_path_template,
+    create_chunk_file,
+    generations_path,
+)
 from offloadd.config import OffloaddConfig
 from offloadd.eviction import make_policy
 from offloadd.index import LayoutIndex
@@ -26,6 +33,7 @@ class Layout:
     geometry: ArenaGeometry
     arena: ArenaMapping
     index: LayoutIndex
+    generations: SlotGenerations
 
     @property
     def layout_id(self) -> int:
@@ -69,13 +77,21 @@ class LayoutTable:
 
     def add(self, record: LayoutRecord) -> Layout:
         """Add a layout (new, or recovered with its chunk files) and map its chunks."""
+        cfg = self.config
         geometry = self.geometry_for(record.layout_id, record.block_bytes, record.slots_per_chunk)
         record = msgspec.structs.replace(record, slots_per_chunk=geometry.slots_per_chunk)
+        os.makedirs(cfg.arena_dir, exist_ok=True)
+        # All zeros until blocks are committed or verified again (a warm restart's blocks are
+        # unverified). With verify_on_load every load must ask, so nothing is published.
+        generations = SlotGenerations.create(
+            generations_path(geometry.chunk_path_template), geometry.max_slots, cfg.file_mode, cfg.file_gid,
+        )
         layout = Layout(
             record=record,
             geometry=geometry,
             arena=ArenaMapping(geometry),
-            index=LayoutIndex(make_policy(self.config.eviction)),
+            index=LayoutIndex(make_policy(cfg.eviction), None if cfg.verify_on_load else generations),
+            generations=generations,
         )
         self.by_id[record.layout_id] = layout
         self.by_identity[record.identity] = record.layout_id
@@ -110,6 +126,7 @@ class LayoutTable:
     def close(self) -> None:
         for layout in self.by_id.values():
             layout.arena.close()
+            layout.generations.close()
 
 
 def _with_chunks(record: LayoutRecord, num_chunks: int) -> LayoutRecord:

@@ -113,12 +113,22 @@ def _read(path: str) -> str | None:
         return None
 
 
+def _zero(path: str) -> None:
+    try:
+        with open(path, "r+b") as f:
+            f.write(bytes(os.fstat(f.fileno()).st_size))
+    except OSError as exc:
+        log.warning("could not clear old generation table %s: %s", path, exc)
+
+
 async def _new_arena(store: HostStore, persisted: Persisted, marker: str) -> None:
     md, cfg = store.metadata, store.config
     fence = md.state.fence(DAEMON_SOURCE)
     old = fence[0] if fence else int(persisted.daemon.get("incarnation", "0"))
     store.daemon_incarnation, store.daemon_seq = old + 1, 0
     for path in glob.glob(os.path.join(cfg.arena_dir, f"kvd-{cfg.namespace}-L*-C*")):
+        if path.endswith("-Cgen"):  # an engine may still map it: nothing it names is servable
+            _zero(path)
         os.unlink(path)
     persisted.layouts = [msgspec.structs.replace(r, num_chunks=0) for r in persisted.layouts]
     # Engines that mapped the old files must re-register and map the new ones: a stale mapping

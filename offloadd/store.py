@@ -168,7 +168,7 @@ class HostStore:
         the sweeper) unless someone holds a pin on it, in which case it only misses now."""
         entry = layout.index.entries[digest]
         if layout.checksum(entry.slot) == entry.checksum:
-            entry.verified = True
+            layout.index.mark_verified(digest)
             return True
         log.error("checksum mismatch: layout %d slot %d", layout.layout_id, entry.slot)
         if entry.pins == 0:

@@ -14,6 +14,7 @@ from events.hashing import to_wire
 from events.logkeys import LogKeys
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from events.state import CacheState
+from offloadd.arena import SlotGenerations
 from offloadd.client import GroupQuery, IngestStream, OffloadClient, OffloadClientError
 from tests.offloadd.conftest import GROUP, SLOT, chain, pattern
 from tests.support.offloadd_proc import DaemonProcess
@@ -119,6 +120,15 @@ def test_lost_arena_starts_new_incarnation(tmp_path: Path, redis_url: str, names
     try:
         with OffloadClient(proc.target) as c:
             hashes = fill(c, 3)
+            path = proc.arena_dir / f"kvd-{namespace}-L1-Cgen"
+            table = SlotGenerations(str(path), path.stat().st_size // 8)
+            assert min(table[s] for s in range(3)) > 0
+            proc.kill()
+            (proc.arena_dir / f"kvd-{namespace}.arena-id").unlink()  # the arena is not ours any more
+            proc.restart()
+            # An engine still mapping the old table finds nothing servable in it.
+            assert table.is_stale() and max(table[s] for s in range(len(table))) == 0
+            table.close()
             proc.kill()
             shutil.rmtree(proc.arena_dir)  # e.g. the node rebooted and /dev/shm is empty
             proc.restart()
@@ -186,10 +196,21 @@ def test_restart_keeps_slots_and_gives_new_generations(tmp_path: Path, redis_url
             q = [GroupQuery(0, tuple(hashes))]
             before = c.lookup("e", q).results[0]
             assert min(before.generations) > 0
+            # The shared generation table says the same, without asking.
+            path = proc.arena_dir / f"kvd-{namespace}-L1-Cgen"
+            table = SlotGenerations(str(path), path.stat().st_size // 8)
+            assert [table[s] for s in before.slots] == list(before.generations)
+            assert sum(table[s] for s in range(len(table))) == sum(before.generations)  # only those
             proc.kill()
+            assert [table[s] for s in before.slots] == list(before.generations)  # still true
             proc.restart()
+            # Restored blocks are published only once verified, under their new generations.
+            assert all(table[s] == 0 or table[s] > max(before.generations) for s in before.slots)
             after = c.lookup("e", q).results[0]
             assert after.slots == before.slots
             assert min(after.generations) > max(before.generations)
+            assert [table[s] for s in after.slots] == list(after.generations)
+            assert not table.is_stale()  # the same file: a warm restart keeps the arena
+            table.close()
     finally:
         proc.kill()

@@ -198,6 +198,10 @@ def test_verify_on_load_drops_corrupt_block(tmp_path, redis_url: str, namespace:
             arena.write(slots[1], bytes(SLOT))  # someone scribbles over a committed block
             q = GroupQuery(0, tuple(b.block_hash for b in blocks))
             assert c.lookup("e", [q]).results[0].slots == (slots[0], -1)
+            # Every load must ask (and be verified): nothing is published to skip the asking.
+            table = c.register_engine("e", 1, "m", [GROUP]).map_generations(0)
+            assert max(table[s] for s in range(len(table))) == 0
+            table.close()
             deadline = time.monotonic() + 5
             while c.stats().log_offset < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -221,12 +225,14 @@ def test_generations_name_each_assignment_of_a_slot(client: OffloadClient) -> No
     """Reserve and Lookup give each slot's generation: one assignment of that slot to that
     block. A slot given again, even to the very block it held before, gets a new one: what an
     engine that read a remembered slot checks the pin's answer against (engine.offload_view)."""
-    client.register_engine("e", 1, "m", [GROUP])
+    table = client.register_engine("e", 1, "m", [GROUP]).map_generations(0)
     first = chain(16, salt="g")  # the arena's 16 slots
     res = client.reserve("e", 0, first)
     gens = res.generations
     assert len(gens) == 16 and min(gens) > 0 and len(set(gens)) == 16
+    assert [table[s] for s in range(16)] == [0] * 16  # reserved: not servable yet
     client.commit("e", res.reservation_id)
+    assert [table[slot] for _, slot in res.blocks] == list(gens)  # published on commit
     again = client.reserve("e", 0, first[:2])
     assert [s for s, _ in again.blocks] == [ReserveStatus.ALREADY_STORED] * 2
     assert again.generations == (0, 0)
@@ -242,6 +248,8 @@ def test_generations_name_each_assignment_of_a_slot(client: OffloadClient) -> No
     assert _store(client, "e", first[:1]) == [slot0]
     back = client.lookup("e", [GroupQuery(0, hashes[:1])]).results[0]
     assert back.slots == (slot0,) and back.generations[0] > max(gens)
+    assert table[slot0] == back.generations[0]  # the table follows every assignment
+    table.close()
 
 
 def test_lookup_future_answers_as_lookup_does(client: OffloadClient) -> None:

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from offloadd.arena import ArenaGeometry, ArenaMapping, create_chunk_file
+from offloadd.arena import (
+    ArenaGeometry,
+    ArenaMapping,
+    SlotGenerations,
+    create_chunk_file,
+    generations_path,
+)
 from offloadd.config import ConfigError, load_config
 from offloadd.eviction import ArcPolicy, LruPolicy
 from offloadd.index import BlockState, LayoutIndex, SlotEntry
@@ -53,6 +60,57 @@ def test_index_transitions() -> None:
     idx.remove(b"\x01")
     assert sorted(idx.free) == [1, 2] and idx.ready(b"\x01") is None
     assert idx.ready(b"\x00") is not None and idx.ready(b"\x00").checksum == 11
+
+
+def test_index_publishes_what_each_slot_serves() -> None:
+    """The generation table holds a slot's generation exactly while its block is READY and
+    verified; any step towards giving the slot away clears it first."""
+    table = [-1] * 4
+    idx = LayoutIndex(LruPolicy(), table)
+    idx.grow(4)
+    for i, gen in enumerate((101, 102, 103)):
+        slot = idx.take_free_slot()
+        assert slot is not None
+        idx.reserve(bytes([i]), slot, SlotEntry(0, BlockState.RESERVED, None, (1,), b"", None, generation=gen))
+    assert table == [0, 0, 0, -1]  # cleared before a writer may touch the slot
+    idx.commit(b"\x00", 1)
+    idx.commit(b"\x01", 2)
+    idx.unreserve(b"\x02")
+    assert table == [101, 102, 0, -1]
+    assert idx.choose_victims(1) == [b"\x00"]
+    assert table[0] == 0  # evicting: no longer servable
+    idx.restore([b"\x00"])  # its removal was not logged: the same block again
+    assert table[0] == 101
+    idx.mark_evicting(b"\x01")
+    idx.remove(b"\x01")
+    assert table[1] == 0
+    # A restored block is published only once its bytes were checked.
+    restored = SlotEntry(3, BlockState.READY, None, (1,), b"", None, generation=104, verified=False)
+    idx.num_slots = 4
+    idx.insert_ready({b"\x03": restored})
+    assert table[3] == 0
+    idx.mark_verified(b"\x03")
+    assert table[3] == 104
+
+
+def test_generation_table_is_shared_and_cleared_on_create(tmp_path: Path) -> None:
+    path = generations_path(str(tmp_path / "kvd-t-L1-C{chunk}"))
+    assert path.endswith("kvd-t-L1-Cgen")
+    daemon = SlotGenerations.create(path, 8, 0o600, None)
+    reader = SlotGenerations(path, 8)
+    daemon[3] = 2**63 + 5
+    assert reader[3] == 2**63 + 5 and reader[2] == 0 and len(reader) == 8
+    with pytest.raises(TypeError):
+        reader.values[0] = 1  # engines map it read-only
+    again = SlotGenerations.create(path, 8, 0o600, None)  # a daemon restart: nothing servable
+    assert reader[3] == 0 and not reader.is_stale()
+    os.unlink(path)
+    assert reader.is_stale()
+    small = SlotGenerations.create(path, 2, 0o600, None)
+    with pytest.raises(ValueError, match="smaller than"):
+        SlotGenerations(path, 8)
+    for t in (daemon, reader, again, small):
+        t.close()
 
 
 def test_lru_order_and_touch() -> None:

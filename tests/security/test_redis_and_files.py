@@ -174,10 +174,12 @@ def test_arena_file_modes(tmp_path: Path, redis_url: str, with_group: bool) -> N
         _store_one_block(d.target)
         mode = 0o660 if with_group else 0o600
         files = _arena_files(d.arena_dir)
-        chunks = [f for f in files if not f.name.endswith(".arena-id")]
-        assert [f.name for f in chunks] == ["kvd-modes-L1-C0"]
-        st = chunks[0].stat()
-        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (mode, gid)
+        # The chunk and the slot generation table (engines map both) get the configured mode.
+        shared = [f for f in files if not f.name.endswith(".arena-id")]
+        assert sorted(f.name for f in shared) == ["kvd-modes-L1-C0", "kvd-modes-L1-Cgen"]
+        for f in shared:
+            st = f.stat()
+            assert (stat.S_IMODE(st.st_mode), st.st_gid) == (mode, gid)
         # The arena-id marker holds no KV bytes; it is created under the umask, never wider.
         (marker,) = [f for f in files if f.name.endswith(".arena-id")]
         assert stat.S_IMODE(marker.stat().st_mode) & ~mode == 0
