@@ -7,9 +7,10 @@
 - **Load**: on admission, after the GPU prefix hit, the longest prefix that is ready in the host
   tier is pinned under a lease (``lookup``), copied into the freshly allocated blocks (``load``)
   and released once the copy completed. When the engine's own view of the host tier
-  (engine.offload_view) already holds the whole prefix, the copies start from the slots it
-  remembers while the pinning Lookup is in flight, and ``check_loads`` compares the answer
-  before the step's result is used (a mismatch redoes that request's step). By default the
+  (engine.offload_view) holds the whole prefix and the daemon's shared generation table still
+  vouches for it, the copies start from the slots it remembers without any RPC, and
+  ``check_loads`` checks the table again once they completed, before the step's result is used
+  (a slot given away meanwhile redoes that request's step; DECISIONS 22). By default the
   copy runs layer by layer on a load stream and the step waits for each layer right before
   computing it
   (``take_layer_waits``, engine.offload_layerwise), so the copy overlaps the step; with
@@ -44,8 +45,8 @@ from engine.offload_layerwise import GroupLoad, LayerLoader, LayerLoads
 from engine.offload_lookup import GroupHitInput, hit_length, lookup_keys
 from engine.offload_metrics import OffloadMetrics
 from engine.offload_store import StoreBatcher
-from engine.offload_view import SpeculativeLoad, TierView, leading
-from engine.offload_worker import OffloadWorker, ReleaseJob, StoreJob
+from engine.offload_view import SpeculativeLoad, TierView, leading, vouched
+from engine.offload_worker import OffloadWorker, ReleaseJob, StoreJob, TouchJob
 from offloadd.client import (
     GroupQuery,
     GroupSpec,
@@ -53,6 +54,7 @@ from offloadd.client import (
     OffloadClient,
     OffloadClientError,
     RetryPolicy,
+    SlotGenerations,
 )
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,7 @@ class _Pinned:
     slots: dict[int, tuple[int, ...]]
     """Per group, the daemon slot of each offloaded block from ``first_block`` on."""
     check: SpeculativeLoad | None = None
-    """Set when the slots came from the engine's view and the Lookup is still in flight."""
+    """Set when the slots came from the engine's view, unpinned (``check_loads`` checks them)."""
 
 
 class OffloadingConnector:
@@ -108,12 +110,15 @@ class OffloadingConnector:
         self._loaded_leases: list[tuple[str, torch.cuda.Event | None, Timing | None]] = []
         """Leases of this step's loads, released (once their copies completed) after the step."""
         self.view = TierView()
+        self._tables: dict[int, np.ndarray] = {}
+        """Per group, the daemon's generation table (read-only shared memory; engine.offload_view)."""
+        self._table_maps: list[SlotGenerations] = []
         self._checks: list[SpeculativeLoad] = []
-        """This step's loads that started before their Lookup's answer (``check_loads``)."""
+        """This step's loads from the view, checked once their copies completed (``check_loads``)."""
         self._no_speculation: set[str] = set()
         """Requests whose speculative load failed: their next admission asks first."""
-        self._outbox: list[ReleaseJob | StoreJob] = []
-        """The step's stores and load releases, handed to the worker by ``step_done``."""
+        self._outbox: list[ReleaseJob | StoreJob | TouchJob] = []
+        """The step's stores, load releases and hit reports, handed to the worker by ``step_done``."""
         self._held: dict[str, list[StoreJob]] = {}
         """Stores of requests whose load ``check_loads`` has not confirmed yet, by request."""
         self._copied: torch.cuda.Event | None = None
@@ -136,7 +141,7 @@ class OffloadingConnector:
             self._layer_loads = self._loader.new_step()
         self.worker = OffloadWorker(
             self.client, self.config.engine_id, self.config.lease_ms, self.metrics,
-            self._mark_unregistered, device, on_committed=self.view.learn,
+            self._mark_unregistered, device, on_committed=self.view.learn, on_looked_up=self._learn,
         )
         self._register()
 
@@ -164,6 +169,14 @@ class OffloadingConnector:
             return False
         for arena in self.arenas.values():
             arena.close()
+        self._close_tables()
+        try:
+            self._table_maps = [reg.map_generations(g.spec.group_idx) for g in self.groups]
+        except (OSError, ValueError) as exc:  # a daemon that publishes none: always ask first
+            log.warning("offloadd generation table not mapped (every load asks first): %s", exc)
+            self._close_tables()
+        self._tables = {g.spec.group_idx: np.frombuffer(t.values, dtype=np.uint64)
+                        for g, t in zip(self.groups, self._table_maps, strict=False)}
         self.view.clear(capacity=sum(info.max_slots for info in reg.groups.values()) or None)
         self.arenas = {
             g.spec.group_idx: ArenaBlocks.in_engine_blocks(
@@ -173,6 +186,12 @@ class OffloadingConnector:
         }
         self._registered = True
         return True
+
+    def _close_tables(self) -> None:
+        self._tables = {}  # the arrays go first: they hold the maps' buffers
+        for t in self._table_maps:
+            t.close()
+        self._table_maps = []
 
     def _mark_unregistered(self) -> None:
         self._registered = False  # the daemon forgot us (e.g. a cold restart): register again
@@ -234,17 +253,20 @@ class OffloadingConnector:
         return num_ext
 
     def _speculate(self, request_id: str, queries: list[GroupQuery], first: int, hit: int) -> int | None:
-        """When the view holds every key of the lookup: send the pinning Lookup without waiting,
-        take the view's slots for ``load`` and return the hit; else None (ask first: the daemon
-        may know more than the view)."""
+        """When the view holds every key of the lookup and the generation table still vouches
+        for it: take the view's slots for ``load`` (nothing pinned, nothing sent) and return the
+        hit; else None (ask first: the daemon may know more than the view)."""
+        if len(self._tables) != len(self.groups):
+            return None
         keys = queries[0].block_hashes
-        known = {g.spec.group_idx: self.view.find(g.spec.group_idx, keys) for g in self.groups}
+        known: dict[int, tuple[list[int], list[int]]] = {}
+        for g in self.groups:
+            gi = g.spec.group_idx
+            slots, gens = self.view.find(gi, keys)
+            known[gi] = (vouched(self._tables[gi], slots, gens), gens)
         inputs = {
-            g.spec.group_idx: GroupHitInput(
-                g.spec.sliding_window, leading(known[g.spec.group_idx][0]),
-                tuple(known[g.spec.group_idx][0]),
-            )
-            for g in self.groups
+            gi: GroupHitInput(g.spec.sliding_window, leading(known[gi][0]), tuple(known[gi][0]))
+            for g in self.groups for gi in (g.spec.group_idx,)
         }
         if hit_length(inputs, len(keys), first, hit, self.k, self._block_size()) < len(keys):
             return None
@@ -253,9 +275,6 @@ class OffloadingConnector:
         self._pinned[request_id] = _Pinned(
             "", num_ext, first * self.k, hit, {gi: tuple(s) for gi, (s, _) in known.items()}, check,
         )
-        # Now, not after the copies are issued: the answer is what the step's result waits
-        # for (on the H200 host the round trip takes ~2 ms while the engine plans and launches).
-        self._send(check)
         return num_ext
 
     def _learn(self, keys: Sequence[bytes], outcome: LookupOutcome) -> None:
@@ -266,10 +285,10 @@ class OffloadingConnector:
                 self.view.learn(r.group_idx, keys[:n], r.slots, r.generations)
 
     def check_loads(self) -> set[str]:
-        """After ``store``, before the step's result is used: the requests whose loads started
-        from the view and that the daemon's answer did not confirm. Their step's result must
-        be dropped (the stores prepared for them are) and they must be admitted again (they
-        then ask first)."""
+        """After ``store``, before the step's result is used: the requests whose loads from
+        the view read a slot that was given away (or taken out of service) meanwhile. Their
+        step's result must be dropped (the stores prepared for them are) and they must be
+        admitted again (they then ask first)."""
         checks, self._checks = self._checks, []
         bad: set[str] = set()
         for check in checks:
@@ -287,30 +306,16 @@ class OffloadingConnector:
         self._release_loaded()
         return bad
 
-    def _send(self, check: SpeculativeLoad) -> None:
-        try:
-            check.future = self.client.lookup_future(self.config.engine_id, check.queries, pin=True,
-                                                     lease_ms=self.config.lease_ms)
-        except OffloadClientError as exc:  # check_loads finds no answer: the step is redone
-            self._failed("lookup", exc)
-            return
-        self.metrics.add(lookups=1)
-
     def _confirm(self, check: SpeculativeLoad) -> bool:
-        if check.future is None:
-            self.metrics.add(speculation_failed=1, cpu_hit_tokens=-check.tokens)
-            return False
-        try:
-            outcome = check.future.result(timeout=self.config.timeout_s)
-        except OffloadClientError as exc:
-            self._failed("lookup", exc)
-            self.metrics.add(speculation_failed=1, cpu_hit_tokens=-check.tokens)
-            return False
-        self._loaded_leases.append((outcome.lease_id, check.done, check.timing))
-        self._learn(check.keys, outcome)
-        ok = check.confirmed_by(outcome)
+        done = check.done or self._copied  # a whole load's own event, or the step's copies
+        if done is not None:
+            done.synchronize()  # they end before the step's compute does
+        ok = check.still_valid(self._tables)
         self.metrics.add(speculative_loads=int(ok), speculation_failed=int(not ok),
                          cpu_hit_tokens=0 if ok else -check.tokens)
+        self._loaded_leases.append(("", check.done, check.timing))  # its copy time
+        if ok:
+            self._outbox.append(TouchJob(check.queries))
         return ok
 
     def load(
@@ -361,7 +366,7 @@ class OffloadingConnector:
         self._just_loaded.update(digests)
         # Released by store() and step_done(), after the step: waking the worker now would have
         # it share the GIL with this thread while the step is being launched.
-        if pinned.check is not None:  # its lease is known once check_loads has the answer
+        if pinned.check is not None:  # nothing pinned: check_loads checks the slots read
             check = pinned.check
             check.used, check.done, check.timing, check.tokens = used, done, timing, n * self._block_size()
             self._checks.append(check)
@@ -410,7 +415,7 @@ class OffloadingConnector:
         event, or the one after this step's layer-by-layer copies)."""
         leases, self._loaded_leases = self._loaded_leases, []
         self._outbox.extend(ReleaseJob(lease_id, done or self._copied, timing)
-                            for lease_id, done, timing in leases if lease_id)
+                            for lease_id, done, timing in leases if lease_id or timing)
 
     def _unpin(self, request_id: str) -> None:
         pinned = self._pinned.pop(request_id, None)
@@ -418,12 +423,8 @@ class OffloadingConnector:
             self._unpinned(pinned)
 
     def _unpinned(self, pinned: _Pinned) -> None:
-        """Release a pin that will not be loaded (once its Lookup answered, if in flight)."""
-        if pinned.check is not None:
-            if pinned.check.future is not None and self.worker is not None:
-                self.worker.submit(ReleaseJob("", None, pending=pinned.check.future))
-        else:
-            self._release_later(pinned.lease_id, None)
+        """Release a pin that will not be loaded (a load from the view holds none)."""
+        self._release_later(pinned.lease_id, None)
 
     def _release_later(self, lease_id: str, done: torch.cuda.Event | None, timing: Timing | None = None) -> None:
         if lease_id and self.worker is not None:
@@ -450,7 +451,7 @@ class OffloadingConnector:
             self._store_group(groups[gi], batch, skip, self._held.setdefault(key, []) if key else self._outbox)
 
     def _store_group(self, group: KVCacheGroup, batch: list[NewBlocks], skip: set[bytes],
-                     into: list[StoreJob] | list[ReleaseJob | StoreJob]) -> None:
+                     into: list[StoreJob] | list[ReleaseJob | StoreJob | TouchJob]) -> None:
         assert self.worker is not None
         arena = self.arenas[group.spec.group_idx]
         if self.metrics.counters.pending_store_bytes > self.config.max_pending_store_bytes:
@@ -512,4 +513,5 @@ class OffloadingConnector:
             self.worker.close()
         for arena in self.arenas.values():
             arena.close()
+        self._close_tables()
         self.client.close()

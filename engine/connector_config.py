@@ -55,9 +55,10 @@ class OffloadConnectorConfig:
     """Load a CPU-tier hit layer by layer while the step computes the layers already loaded
     (engine.offload_layerwise); off: the whole copy completes before the step starts."""
     speculate: bool = True
-    """Start a hit's copies from the slots the engine remembers (it stored the blocks, or a
-    lookup answered them) while the pinning Lookup is in flight, and check its answer before
-    the step's result is used (engine.offload_view); off: wait for the Lookup first."""
+    """Start a hit's copies, with no RPC, from the slots the engine remembers (it stored the
+    blocks, or a lookup answered them) when the daemon's generation table vouches for them,
+    and check the table again before the step's result is used (engine.offload_view); off:
+    always ask first (a pinning Lookup before the copies)."""
     retry_register_s: float = 5.0
     """After the daemon was unreachable, how long to wait before registering again."""
 

@@ -193,7 +193,7 @@ class EngineCore:
         # Before any request finishes, so the blocks are still the request's own; the copies it
         # needs are enqueued behind the step, before the tokens are read. All of this runs
         # while the GPU works and before the loads that started from the engine's view of
-        # the host tier are checked (the daemon's answer may come late).
+        # the host tier are checked (the check waits for their copies to complete).
         self.connector.store(new_blocks)
         redo = self.connector.check_loads()
         if redo:

@@ -19,10 +19,10 @@ from prometheus_client.registry import Collector, CollectorRegistry
 class OffloadCounters:
     lookups: int = 0
     speculative_loads: int = 0
-    """Loads started from the engine's own view of the host tier, before the pin's answer
-    (engine.offload_view), that the answer confirmed."""
+    """Loads started from the engine's own view of the host tier without asking
+    (engine.offload_view) whose slots the generation table still vouched for after the copy."""
     speculation_failed: int = 0
-    """Such loads the answer did not confirm: the request's step was dropped and redone."""
+    """Such loads that read a slot given away meanwhile: the request's step was dropped and redone."""
     gpu_hit_tokens: int = 0
     """Prompt tokens served by the engine's own prefix cache, at first admission."""
     cpu_hit_tokens: int = 0

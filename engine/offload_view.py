@@ -1,22 +1,25 @@
-"""What this engine knows of the host tier: where its blocks sit, to load them before asking.
+"""What this engine knows of the host tier: where its blocks sit, to load them without asking.
 
 A CPU-tier hit used to wait for the pinning Lookup (a gRPC round trip, ~1-1.8 ms on an H200
-host) before its first copy. The engine already knows where most of its hits sit: it stored
-them itself (each Reserve answers a slot and that assignment's *generation*) and earlier
-lookups answered more. With this view the connector starts the copies at once, from the slots
-it remembers, sends the pinning Lookup at the same time, and checks the Lookup's answer before
-the step's result is used (engine.connector ``check_loads``):
+host) before its first copy; sending it while the copies ran still cost the engine thread the
+client's work in the middle of the launch. The engine already knows where most of its hits sit:
+it stored them itself (each Reserve answers a slot and that assignment's *generation*) and
+earlier lookups answered more. The daemon publishes, in a table in shared memory beside the
+arena, the generation of the block each slot serves now (0 for none: offloadd.arena
+``SlotGenerations``). A generation names one assignment of a slot and is never reused. So the
+connector loads from the view with no RPC at all (engine.connector, DECISIONS 22):
 
-- the same slot and generation for every block loaded: no slot was given to another block
-  between the engine learning it and the pin (a generation names one assignment of a slot,
-  unique across daemon restarts), so every byte read before the pin was the block's own, and
-  the pin protects the rest;
-- anything else: the step's result for that request is dropped and it is admitted again,
-  asking first this time. The view then holds the daemon's answer.
+- before the copies, it keeps only the view's entries whose slot still shows their generation
+  (a stale entry is simply not used: the request asks first);
+- after the copies completed, before the step's result is used (``check_loads``), every slot
+  read must still show the same generation: then no slot was given away (or taken out of
+  service) while it was read, and every byte read was the block's own. Otherwise that
+  request's step is dropped and it is admitted again, asking first.
 
-The daemon never tells the engine about evictions, so entries go stale; a stale entry costs one
-wasted step of one request, once. Bounded by the daemon's slots (no more entries can be right):
-least recently used entries go first.
+Nothing is pinned, so an eviction during the copy is possible; it is caught by the second check
+and costs one wasted step of one request. The daemon hears of the hit afterwards, through a
+Lookup without a pin sent by the connector's worker (its LRU order). Bounded by the daemon's
+slots (no more entries can be right): least recently used entries go first.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from offloadd.client import GroupQuery, LookupFuture, LookupOutcome
+from offloadd.client import GroupQuery
 
 
 class TierView:
@@ -95,13 +99,22 @@ class TierView:
                 self.capacity = capacity
 
 
+def vouched(table: np.ndarray, slots: Sequence[int], generations: Sequence[int]) -> list[int]:
+    """``slots`` with -1 wherever ``table`` (a generation table, one uint64 per slot) does not
+    show the expected generation now."""
+    s = np.asarray(slots, dtype=np.int64)
+    ok = (s >= 0) & (s < len(table))
+    ok[ok] = table[s[ok]] == np.asarray(generations, dtype=np.uint64)[ok]
+    return np.where(ok, s, -1).tolist()
+
+
 @dataclass
 class SpeculativeLoad:
-    """A load started from the view before the daemon answered its pinning Lookup."""
+    """A load started from the view, without asking the daemon."""
 
     request_id: str
     queries: list[GroupQuery]
-    """The pinning Lookup's queries (every group looks up the same keys)."""
+    """The Lookup that tells the daemon of the hit afterwards (every group, the same keys)."""
     expected: dict[int, tuple[list[int], list[int]]]
     """Per group, the (slot, generation) the view gave for each key."""
     used: dict[int, set[int]] | None = None
@@ -109,24 +122,24 @@ class SpeculativeLoad:
     done: torch.cuda.Event | None = None
     timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     tokens: int = 0
-    """Hit tokens the load counted (taken back if the answer disagrees)."""
-    future: LookupFuture | None = None
-    """The pinning Lookup, sent at admission without waiting for its answer."""
+    """Hit tokens the load counted (taken back if the check fails)."""
 
     @property
     def keys(self) -> tuple[bytes, ...]:
         return self.queries[0].block_hashes
 
-    def confirmed_by(self, answer: LookupOutcome) -> bool:
-        """Every slot the load read has, in the answer, the slot and generation the view gave."""
-        results = {r.group_idx: r for r in answer.results}
+    def still_valid(self, tables: dict[int, np.ndarray]) -> bool:
+        """After the copies completed: every slot the load read still shows the generation the
+        view gave (a group without a table never confirms)."""
         for gi, used in (self.used or {}).items():
+            if not used:
+                continue
+            table = tables.get(gi)
+            if table is None:
+                return False
             slots, gens = self.expected[gi]
-            r = results.get(gi)
-            got_slots = r.slots if r is not None else ()
-            got_gens = r.generations if r is not None else ()
-            if any(i >= len(got_slots) or i >= len(got_gens) or got_slots[i] != slots[i]
-                   or got_gens[i] != gens[i] for i in used):
+            idx = sorted(used)
+            if vouched(table, [slots[i] for i in idx], [gens[i] for i in idx]).count(-1):
                 return False
         return True
 

@@ -1,4 +1,5 @@
-"""The connector's background thread: Reserve -> copy -> Commit for stores, and lease releases.
+"""The connector's background thread: Reserve -> copy -> Commit for stores, lease releases, and
+the Lookups that tell the daemon of hits loaded without asking.
 
 The engine thread only snapshots new blocks (one gather per group per step, in stream order)
 and queues a job; everything that waits (RPCs, the device->host copy, its completion) happens
@@ -23,7 +24,8 @@ from engine.offload_copy import ArenaBlocks
 from engine.offload_metrics import OffloadMetrics
 from offloadd.client import (
     BlockToStore,
-    LookupFuture,
+    GroupQuery,
+    LookupOutcome,
     OffloadClient,
     OffloadClientError,
     ReserveStatus,
@@ -51,11 +53,18 @@ class ReleaseJob:
     done: torch.cuda.Event | None
     """The load's copies completed once this event did (CUDA only): the slots may go then."""
     timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-    pending: LookupFuture | None = None
-    """A pinning Lookup still in flight: its lease (if any) is the one to release."""
+    """Around the load's copies: its copy time is counted once they completed."""
 
 
-Job = StoreJob | ReleaseJob
+@dataclass
+class TouchJob:
+    """A hit loaded without asking: a Lookup without a pin tells the daemon (its LRU order, its
+    hit counters), and its answer refreshes the engine's view."""
+
+    queries: list[GroupQuery]
+
+
+Job = StoreJob | ReleaseJob | TouchJob
 
 
 class OffloadWorker:
@@ -63,6 +72,7 @@ class OffloadWorker:
         self, client: OffloadClient, engine_id: str, lease_ms: int, metrics: OffloadMetrics,
         on_unregistered: Callable[[], None], device: torch.device,
         on_committed: Callable[[int, list[bytes], list[int], list[int]], None] | None = None,
+        on_looked_up: Callable[[tuple[bytes, ...], LookupOutcome], None] | None = None,
     ) -> None:
         self.client = client
         self.engine_id = engine_id
@@ -71,6 +81,8 @@ class OffloadWorker:
         self.on_unregistered = on_unregistered
         self.on_committed = on_committed
         """``(group_idx, keys, slots, generations)`` of the blocks each commit made ready."""
+        self.on_looked_up = on_looked_up
+        """``(keys, answer)`` of each Lookup a TouchJob sent."""
         self.device = device
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._idle = threading.Condition()
@@ -104,6 +116,8 @@ class OffloadWorker:
             try:
                 if isinstance(job, StoreJob):
                     self._store(job)
+                elif isinstance(job, TouchJob):
+                    self._touch(job)
                 else:
                     self._release(job)
             except Exception:  # never let one job kill the thread: the engine must go on
@@ -197,15 +211,19 @@ class OffloadWorker:
         if job.timing is not None:
             start, end = job.timing
             self.metrics.add(load_copy_seconds=start.elapsed_time(end) / 1000.0)
-        if job.pending is not None:
-            try:
-                job.lease_id = job.pending.result(timeout=self.client.timeout_s).lease_id
-            except OffloadClientError as exc:  # nothing was pinned, or the lease expires
-                self._failed("lookup", exc)
-                return
         if not job.lease_id:
             return
         try:
             self.client.release(self.engine_id, job.lease_id)
         except OffloadClientError as exc:  # the lease expires on its own
             self._failed("release", exc)
+
+    def _touch(self, job: TouchJob) -> None:
+        try:
+            outcome = self.client.lookup(self.engine_id, job.queries, pin=False)
+        except OffloadClientError as exc:  # only the daemon's LRU order misses this hit
+            self._failed("lookup", exc)
+            return
+        self.metrics.add(lookups=1)
+        if self.on_looked_up is not None:
+            self.on_looked_up(job.queries[0].block_hashes, outcome)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
-from engine.offload_view import SpeculativeLoad, TierView, leading
-from offloadd.client import GroupHit, GroupQuery, LookupOutcome
+from engine.offload_view import SpeculativeLoad, TierView, leading, vouched
+from offloadd.client import GroupQuery
 
 
 def _keys(n: int, tag: bytes = b"k") -> list[bytes]:
@@ -78,24 +79,33 @@ def test_learning_from_another_thread_while_finding() -> None:
         t.join()
 
 
-def _answer(*groups: tuple[int, tuple[int, ...], tuple[int, ...]]) -> LookupOutcome:
-    return LookupOutcome(tuple(GroupHit(gi, 0, slots, gens) for gi, slots, gens in groups), "lease", 0)
+def test_the_table_vouches_for_a_slot_only_with_its_generation() -> None:
+    table = np.zeros(8, dtype=np.uint64)
+    table[[4, 6]] = [40, 2**63 + 1]
+    # unknown (-1), outside the table, given again (another generation), out of service (0):
+    got = vouched(table, [4, -1, 6, 99, 6, 5], [40, 0, 2**63 + 1, 1, 61, 50])
+    assert got == [4, -1, 6, -1, -1, -1]
+    assert vouched(table, [], []) == []
 
 
-def test_a_speculative_load_is_confirmed_only_by_the_same_slots_and_generations() -> None:
+def test_a_load_from_the_view_holds_only_while_every_slot_read_shows_its_generation() -> None:
     keys = tuple(_keys(3))
     load = SpeculativeLoad("r", [GroupQuery(0, keys)], {0: ([4, 5, 6], [40, 50, 60]),
                                                         1: ([7, -1, 9], [70, 0, 90])})
     load.used = {0: {0, 1, 2}, 1: {2}}  # the sliding group read only the block in its window
-    assert load.confirmed_by(_answer((0, (4, 5, 6), (40, 50, 60)), (1, (-1, -1, 9), (0, 0, 90))))
-    # A slot given again in between (same slot, new generation), a block elsewhere, a group or
-    # a block missing from the answer (a prefix-only answer stops at its first miss):
-    assert not load.confirmed_by(_answer((0, (4, 5, 6), (40, 51, 60)), (1, (7, 8, 9), (70, 80, 90))))
-    assert not load.confirmed_by(_answer((0, (4, 5, 3), (40, 50, 60)), (1, (7, 8, 9), (70, 80, 90))))
-    assert not load.confirmed_by(_answer((0, (4, 5, 6), (40, 50, 60))))
-    assert not load.confirmed_by(_answer((0, (4, 5), (40, 50)), (1, (7, 8, 9), (70, 80, 90))))
-    # An answer without generations (an older daemon) never confirms.
-    assert not load.confirmed_by(_answer((0, (4, 5, 6), ()), (1, (7, 8, 9), ())))
+    tables = {0: np.zeros(10, dtype=np.uint64), 1: np.zeros(10, dtype=np.uint64)}
+    tables[0][[4, 5, 6]] = [40, 50, 60]
+    tables[1][9] = 90
+    assert load.still_valid(tables)
+    tables[1][7] = 71  # a slot the load did not read may change
+    assert load.still_valid(tables)
+    # A slot given again meanwhile (a new generation), or taken out of service (0):
+    for gi, slot, value in ((0, 5, 51), (0, 6, 0), (1, 9, 0)):
+        before = tables[gi][slot]
+        tables[gi][slot] = value
+        assert not load.still_valid(tables)
+        tables[gi][slot] = before
+    assert not load.still_valid({0: tables[0]})  # no table for a group it read
 
 
 def test_leading() -> None:
