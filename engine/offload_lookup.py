@@ -29,7 +29,7 @@ def lookup_keys(digests: Sequence[bytes], num_gpu_hit: int, k: int) -> tuple[int
     """``(first offloaded block, keys)``: the keys of every complete offloaded block from the one
     that holds engine block ``num_gpu_hit`` on."""
     first = num_gpu_hit // k
-    return first, tuple(digests[s * k + k - 1] for s in range(first, len(digests) // k))
+    return first, tuple(digests[first * k + k - 1 : len(digests) // k * k : k])
 
 
 def first_needed_block(num_tokens: int, sliding_window: int | None, block_size: int) -> int:

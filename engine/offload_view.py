@@ -19,7 +19,7 @@ connector loads from the view with no RPC at all (engine.connector, DECISIONS 22
 Nothing is pinned, so an eviction during the copy is possible; it is caught by the second check
 and costs one wasted step of one request. The daemon hears of the hit afterwards, through a
 Lookup without a pin sent by the connector's worker (its LRU order). Bounded by the daemon's
-slots (no more entries can be right): least recently used entries go first.
+slots (no more entries can be right): least recently learned entries go first.
 """
 
 from __future__ import annotations
@@ -71,22 +71,16 @@ class TierView:
                 over -= 1
 
     def find(self, group_idx: int, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
-        """``(slots, generations)`` aligned with ``keys``: -1 and 0 where unknown."""
+        """``(slots, generations)`` aligned with ``keys``: -1 and 0 where unknown. Recency is
+        not updated here (this is on a hit's path): a hit loaded from the view is reported to
+        the daemon afterwards and its answer, learned, renews the entries."""
         with self._lock:
             table = self._groups.get(group_idx)
             if table is None:
                 return [-1] * len(keys), [0] * len(keys)
-            slots, gens = [], []
-            for key in keys:
-                hit = table.get(key)
-                if hit is None:
-                    slots.append(-1)
-                    gens.append(0)
-                else:
-                    table.move_to_end(key)
-                    slots.append(hit[0])
-                    gens.append(hit[1])
-            return slots, gens
+            get, unknown = table.get, (-1, 0)
+            hits = [get(key, unknown) for key in keys]
+        return [h[0] for h in hits], [h[1] for h in hits]
 
     def clear(self, capacity: int | None = None) -> None:
         """Forget everything (a new registration: the daemon may have restarted); ``capacity``:
@@ -146,7 +140,7 @@ class SpeculativeLoad:
 
 def leading(slots: Sequence[int]) -> int:
     """How many slots lead before the first unknown (-1)."""
-    for i, slot in enumerate(slots):
-        if slot < 0:
-            return i
-    return len(slots)
+    try:
+        return slots.index(-1)
+    except ValueError:
+        return len(slots)

@@ -35,11 +35,12 @@ def test_learn_find_and_forget() -> None:
     assert view.capacity == 2 and view.find(0, keys)[0] == [-1, -1, 3, 4]
 
 
-def test_the_least_recently_used_go_first() -> None:
+def test_the_least_recently_learned_go_first() -> None:
     view = TierView(capacity=4)
     a, b = _keys(3, b"a"), _keys(3, b"b")
     view.learn(0, a, [1, 2, 3], [1, 1, 1])
-    view.find(0, a[:1])  # a[0] was just used
+    view.find(0, a[1:])  # finding renews nothing (a hit's path)...
+    view.learn(0, a[:1], [1], [1])  # ...the answer to the hit's report does
     view.learn(1, b[:2], [4, 5], [1, 1])
     assert len(view) == 4
     slots, _ = view.find(0, a)
