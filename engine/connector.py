@@ -171,7 +171,8 @@ class OffloadingConnector:
             arena.close()
         self._close_tables()
         try:
-            self._table_maps = [reg.map_generations(g.spec.group_idx) for g in self.groups]
+            for g in self.groups:
+                self._table_maps.append(reg.map_generations(g.spec.group_idx))
         except (OSError, ValueError) as exc:  # a daemon that publishes none: always ask first
             log.warning("offloadd generation table not mapped (every load asks first): %s", exc)
             self._close_tables()

@@ -299,6 +299,28 @@ def test_daemon_gone_a_hit_the_table_vouches_for_still_loads(plain_model: Path, 
     conn.close()
 
 
+def test_without_a_generation_table_every_hit_asks_first(plain_model: Path, daemon: DaemonProcess) -> None:
+    """A daemon that publishes no generation table (older, or its file is gone): the engine
+    never loads from its view; every hit asks first, pinned, and is still a hit."""
+    conn = _connector(daemon)
+    llm, ref = _llm(plain_model, conn), _llm(plain_model)
+    for path in daemon.arena_dir.glob("*-Cgen"):
+        path.unlink()
+    conn._register()  # maps what the daemon offers now
+    prompt = _prompt(4 * BS + 3, 33)
+    want = ref.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    llm.generate(prompt, GREEDY)
+    for _ in range(2):
+        assert conn.flush() and llm.reset_prefix_cache()
+        out = llm.generate(prompt, GREEDY)[0]
+        assert out.outputs[0].token_ids == want and out.num_external_cached_tokens == 4 * BS
+    assert conn.flush()
+    s = conn.stats()
+    assert (s["speculative_loads"], s["speculation_failed"], s["errors"]) == (0, 0, 0)
+    assert s["lookups"] == 3  # the first, cold, request asked too
+    conn.close()
+
+
 def test_daemon_failure_never_breaks_generation(plain_model: Path, daemon: DaemonProcess) -> None:
     conn = _connector(daemon, retry_register_s=60.0, timeout_s=1.0)
     llm, ref = _llm(plain_model, conn), _llm(plain_model)
