@@ -281,7 +281,7 @@ def _breakdown(llm: Any, conn: Any, prompt: list[int], params: Any, reps: int = 
     e = llm.engine
     targets = [(e, "prepare_prompt"), (e, "add_prepared"), (e, "step"), (e.kv, "find_prefix_hit"),
                (e.kv, "allocate_for_admission"), (e.connector, "lookup"), (e.connector, "load"),
-               (e.connector.client, "lookup"), (e.connector.client, "lookup_future"), (e.connector, "check_loads"),
+               (e.connector.client, "lookup"), (e.connector, "check_loads"),
                (e.runner, "execute"), (e.connector, "store"), (e.connector, "take_layer_waits"), (e.connector, "step_done"),
                (e, "_append_token"), (e, "_flush_events"),
                (e.kv, "register_full_blocks"), (e.scheduler, "schedule")]

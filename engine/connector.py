@@ -261,14 +261,13 @@ class OffloadingConnector:
             return None
         keys = queries[0].block_hashes
         known: dict[int, tuple[list[int], list[int]]] = {}
+        inputs: dict[int, GroupHitInput] = {}
         for g in self.groups:
             gi = g.spec.group_idx
             slots, gens = self.view.find(gi, keys)
-            known[gi] = (vouched(self._tables[gi], slots, gens), gens)
-        inputs = {
-            gi: GroupHitInput(g.spec.sliding_window, leading(known[gi][0]), tuple(known[gi][0]))
-            for g in self.groups for gi in (g.spec.group_idx,)
-        }
+            slots = vouched(self._tables[gi], slots, gens)
+            known[gi] = (slots, gens)
+            inputs[gi] = GroupHitInput(g.spec.sliding_window, leading(slots), tuple(slots))
         if hit_length(inputs, len(keys), first, hit, self.k, self._block_size()) < len(keys):
             return None
         check = SpeculativeLoad(request_id, queries, known)

@@ -118,10 +118,6 @@ class SpeculativeLoad:
     tokens: int = 0
     """Hit tokens the load counted (taken back if the check fails)."""
 
-    @property
-    def keys(self) -> tuple[bytes, ...]:
-        return self.queries[0].block_hashes
-
     def still_valid(self, tables: dict[int, np.ndarray]) -> bool:
         """After the copies completed: every slot the load read still shows the generation the
         view gave (a group without a table never confirms)."""

@@ -111,8 +111,8 @@ class SlotGenerations:
             return True
 
     def close(self) -> None:
-        self.values.release()
         try:
+            self.values.release()
             self._mm.close()
         except BufferError:  # a reader still holds a view (numpy); the map goes with it
             log.debug("generation table still referenced at close")

@@ -86,7 +86,6 @@ def test_index_publishes_what_each_slot_serves() -> None:
     assert table[1] == 0
     # A restored block is published only once its bytes were checked.
     restored = SlotEntry(3, BlockState.READY, None, (1,), b"", None, generation=104, verified=False)
-    idx.num_slots = 4
     idx.insert_ready({b"\x03": restored})
     assert table[3] == 0
     idx.mark_verified(b"\x03")
