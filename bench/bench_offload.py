@@ -6,7 +6,7 @@
     python bench/bench_offload.py ttft --device cpu --model 1b-kv-narrow --prompt-len 4096
 
 ``bandwidth`` moves N blocks between a KV tensor and arena slots in random (scattered) order with
-the connector's own batched copies (engine.offload_copy), and in the same run measures the
+the connector's own batched copies (engine.offload.copies), and in the same run measures the
 limit: one contiguous copy of the same bytes between device memory and pinned host memory (on
 CPU: one contiguous memcpy). ``ttft`` runs a real offloadd (subprocess, Redis) and an engine with
 the real connector; per iteration a new prompt: cold, GPU hit, reset, CPU hit. ``1b-kv-narrow``
@@ -33,9 +33,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.connector_config import COPY_MODES  # noqa: E402
-from engine.offload_copy import ArenaBlocks  # noqa: E402
-from engine.offload_cuda import (  # noqa: E402
+from engine.offload.config import COPY_MODES  # noqa: E402
+from engine.offload.copies import ArenaBlocks  # noqa: E402
+from engine.offload.cuda_runtime import (  # noqa: E402
     CUDA_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
     loaded_cudart,
     runtime_version,
@@ -171,11 +171,11 @@ def bandwidth(device: torch.device, num_blocks: int, block_shape: tuple[int, ...
 def _layer_loads(kv: torch.Tensor, ids: list[int], scattered: list[int], runs: list[int], geometry: Any,
                  block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, reps: int,
                  rng: random.Random, nbytes: int, limit_store: float, limit_load: float) -> list[dict[str, Any]]:
-    """The layer-by-layer load as the engine issues it (engine.offload_layerwise, every layer
+    """The layer-by-layer load as the engine issues it (engine.offload.layerwise, every layer
     issued and then waited for): scattered slots into random block ids (one gather kernel per
     layer), and a run of slots into a run of block ids, as fresh blocks are handed out (one 2-D
     DMA copy per layer)."""
-    from engine.offload_layerwise import GroupLoad, LayerLoader
+    from engine.offload.layerwise import GroupLoad, LayerLoader
 
     arena = ArenaBlocks(ArenaMapping(geometry), block_shape, dtype, device)
     loader = LayerLoader(device)
@@ -385,10 +385,10 @@ def _decode_step(llm: Any, prompt: list[int], reps: int = 3) -> float:
 def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir: Path,
          limit_load_GBps: float | None, profile: bool = False, eager: bool = False,
          layerwise: bool = True, speculate: bool = True) -> dict[str, Any]:
-    from engine.connector import OffloadingConnector
-    from engine.connector_config import OffloadConnectorConfig
     from engine.llm import LLM
     from engine.model.checkpoint import TinyModelSpec, write_tiny_model
+    from engine.offload.config import OffloadConnectorConfig
+    from engine.offload.connector import OffloadingConnector
     from engine.sampling import SamplingParams
     from tests.support.offloadd_proc import DaemonProcess
     from tests.support.redis_proc import RedisProcess

@@ -148,7 +148,7 @@ def _serve(a: argparse.Namespace) -> int:
     from engine.engine_core import EngineCore
     from engine.engine_loop import EngineLoop
     from engine.server import create_server
-    from offloadd.tls import ClientSecurity, check_server_tls, read_token, server_credentials
+    from rpc.tls import ClientSecurity, check_server_tls, read_token, server_credentials
 
     cfg = _engine_config(a)
     check_server_tls(a.tls_cert, a.tls_key, a.tls_client_ca)
@@ -168,8 +168,8 @@ def _serve(a: argparse.Namespace) -> int:
     registry = CollectorRegistry()
     connector = None
     if a.offload:
-        from engine.connector import OffloadingConnector
-        from engine.connector_config import OffloadConnectorConfig
+        from engine.offload.config import OffloadConnectorConfig
+        from engine.offload.connector import OffloadingConnector
 
         if not a.offloadd:
             raise ValueError("--offload needs --offloadd HOST:PORT")

@@ -16,11 +16,11 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequest
 from engine.event_sink import EventSink, NullEventSink
 from engine.kv_cache import KVCacheGroup, allocate_kv_cache, kv_group_specs, layer_slots
+from engine.kv_connector import NullConnector, OffloadConnector
 from engine.kv_manager import KVCacheManager
 from engine.model.config import ModelConfig
 from engine.model.loader import load_model
 from engine.model.tokenizer import Tokenizer, load_tokenizer
-from engine.offload import NullConnector, OffloadConnector
 from engine.request import PreparedPrompt, Request, StepOutput
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample_token

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from engine.block_pool import NULL_BLOCK_ID, BlockPool, all_blocks_cleared
 from engine.kv_cache import KVCacheGroupSpec
-from engine.offload import NewBlocks
+from engine.kv_connector import NewBlocks
 from engine.request import Request
 from events.hashing import BlockHasher
 from events.schema import Event

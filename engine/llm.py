@@ -8,8 +8,8 @@ from typing import Any, cast
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.event_sink import EventSink
+from engine.kv_connector import OffloadConnector
 from engine.model.tokenizer import Tokenizer
-from engine.offload import OffloadConnector
 from engine.request import CompletionOutput, Request, RequestOutput
 from engine.sampling import SamplingParams
 

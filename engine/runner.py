@@ -31,9 +31,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.kv_cache import KVCacheGroup
+from engine.kv_connector import LayerWaits
 from engine.kv_manager import KVCacheManager
 from engine.model.llama import LlamaForCausalLM
-from engine.offload import LayerWaits
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_graphs import GridRow, StepGraphs
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.kv_connector import OffloadConnector
 from engine.kv_manager import KVCacheManager
-from engine.offload import OffloadConnector
 from engine.request import Request, RequestStatus
 
 

@@ -20,7 +20,7 @@ from kvcache.v1 import generate_pb2
 from engine.engine_loop import EngineLoop
 from engine.errors import EngineError, InvalidRequest
 from engine.sampling import SamplingParams
-from offloadd.auth import SyncTokenInterceptor
+from rpc.auth import SyncTokenInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,8 @@ def create_server(
 ) -> tuple[grpc.Server, int]:
     """A started-ready (not started) server with Generate, health and reflection; and its port.
 
-    ``credentials`` (offloadd.tls.server_credentials) serve TLS or mutual TLS; with ``token``
-    every call but health must carry ``authorization: Bearer <token>`` (offloadd.auth)."""
+    ``credentials`` (rpc.tls.server_credentials) serve TLS or mutual TLS; with ``token``
+    every call but health must carry ``authorization: Bearer <token>`` (rpc.auth)."""
     interceptors: list[grpc.ServerInterceptor[Any, Any]] | None = (
         [SyncTokenInterceptor(token)] if token is not None else None)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),

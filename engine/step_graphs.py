@@ -20,7 +20,7 @@ to the same rows as the replay will, so they change nothing. The least recently 
 dropped past ``max_graphs``. ``capture=False`` runs the same grid eagerly (CPU tests of the
 layout; the CUDA tests check capture and replay against it).
 
-A step whose KV is still being loaded layer by layer (engine.offload_layerwise) is given
+A step whose KV is still being loaded layer by layer (engine.offload.layerwise) is given
 ``wait(layer)``; its shape then replays as segments, one graph for the inputs and embedding,
 one per layer, one for the logits, in the same graph pool, with ``wait(layer)`` on the stream
 before each layer's segment: the layers already loaded compute while the next ones load.
@@ -40,7 +40,7 @@ from torch import Tensor
 
 from engine.kv_cache import KVCacheGroup
 from engine.model.llama import LlamaForCausalLM
-from engine.offload_cuda import CudaArray
+from engine.offload.cuda_runtime import CudaArray
 
 
 def _pow2(n: int) -> int:
@@ -69,7 +69,7 @@ class _Inputs:
 
     On CUDA the buffer is pinned host memory that the step reads itself, over PCIe, with one
     conversion kernel at its start: no copy-engine work, so a step never queues behind the DMA
-    copies of a load it overlaps (engine.offload_layerwise)."""
+    copies of a load it overlaps (engine.offload.layerwise)."""
 
     def __init__(self, shape: GridShape, device: torch.device) -> None:
         r, q = shape.rows, shape.queries

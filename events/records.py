@@ -2,7 +2,7 @@
 
 The entry ID is ``f"{offset}-0"`` so a reader can range-scan by offset, and the entry holds
 one field, ``r``: the record as msgpack (msgspec's encoding of :class:`LogRecord`). Writer
-(offloadd.metadata) and readers (events.logreader, kvctl) both go through this module.
+(offloadd.log.metadata) and readers (events.logreader, kvctl) both go through this module.
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ import redis
 import redis.exceptions
 
 from offloadd.config import ConfigError, OffloaddConfig, load_config
-from offloadd.logs import redact_url, setup_logging, url_secrets
-from offloadd.metadata import RedisUnavailable
-from offloadd.server import create_server
-from offloadd.tls import SecurityConfigError, read_token
+from offloadd.edge.server import create_server
+from offloadd.log.metadata import RedisUnavailable
+from rpc.logs import redact_url, setup_logging, url_secrets
+from rpc.tls import SecurityConfigError, read_token
 
 log = logging.getLogger("offloadd")
 

@@ -23,7 +23,7 @@ from typing import Final, Literal
 
 from events.hashing import DIGEST_BYTES, HASH_ALGOS, HashAlgo
 from events.logkeys import LogKeys
-from offloadd.tls import SecurityConfigError, check_server_tls
+from rpc.tls import SecurityConfigError, check_server_tls
 
 Eviction = Literal["lru", "arc"]
 EVICTIONS: Final[tuple[Eviction, ...]] = ("lru", "arc")

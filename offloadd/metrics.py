@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from offloadd.ingest import Ingest
-from offloadd.store import HostStore
+from offloadd.log.ingest import Ingest
+from offloadd.tier.store import HostStore
 
 _LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5,

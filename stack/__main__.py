@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from offloadd.logs import redact_url
+from rpc.logs import redact_url
 from stack.launcher import Stack, StackConfig
 from stack.supervisor import StackError
 

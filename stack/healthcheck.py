@@ -16,7 +16,7 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from offloadd.tls import ClientSecurity, SecurityConfigError
+from rpc.tls import ClientSecurity, SecurityConfigError
 
 
 def grpc_serving(target: str, service: str = "", timeout_s: float = 2.0,

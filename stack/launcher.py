@@ -77,7 +77,7 @@ class Stack:
         ), ready=lambda: grpc_serving(f"127.0.0.1:{grpc_port}"))
         pub, replay, bmetrics = port_or_free(5557), port_or_free(5558), port_or_free(9401)
         self.sup.start("kv-bridge", _py(
-            "events.bridge_main", f"--namespace={cfg.namespace}",
+            "bridge.main", f"--namespace={cfg.namespace}",
             f"--pub=tcp://127.0.0.1:{pub}", f"--replay=tcp://127.0.0.1:{replay}",
             f"--topic={cfg.topic}", f"--metrics-port={bmetrics}", "--metrics-host=127.0.0.1",
         ), ready=lambda: http_ok(f"http://127.0.0.1:{bmetrics}/healthz"))

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from bridge.config import BridgeConfig, config_from_args
 from engine.__main__ import _parser as engine_parser
-from events.bridge_config import BridgeConfig, config_from_args
 from offloadd.config import OffloaddConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]

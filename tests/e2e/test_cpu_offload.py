@@ -26,11 +26,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.connector import OffloadingConnector
-from engine.connector_config import OffloadConnectorConfig
 from engine.ingest_sink import IngestEventSink
 from engine.llm import LLM
 from engine.model.checkpoint import TinyModelSpec, write_tiny_model
+from engine.offload.config import OffloadConnectorConfig
+from engine.offload.connector import OffloadingConnector
 from engine.sampling import SamplingParams
 from events.codec_vllm import WireBatch
 from events.hashing import BlockHasher, to_wire

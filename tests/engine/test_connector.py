@@ -11,10 +11,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine.connector import OffloadingConnector
-from engine.connector_config import OffloadConnectorConfig
 from engine.event_sink import RecordingEventSink
 from engine.llm import LLM
+from engine.offload.config import OffloadConnectorConfig
+from engine.offload.connector import OffloadingConnector
 from engine.sampling import SamplingParams
 from engine.step_graphs import StepGraphs
 from events.hashing import to_wire
@@ -65,10 +65,10 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("path", ["layerwise", "layerwise-grid", "whole", "ask-first"])
 def test_store_then_cpu_hit_equals_reference(model: Path, daemon: DaemonProcess, path: str) -> None:
-    """``layerwise``: each layer is copied as the step reaches it (engine.offload_layerwise);
+    """``layerwise``: each layer is copied as the step reaches it (engine.offload.layerwise);
     ``-grid``: the step runs as a padded grid (engine.step_graphs, eager here) that waits per
     layer; ``whole``: the copy completes before the step. Each starts the copy from the slots
-    the engine remembers from its own store, before the pin's answer (engine.offload_view);
+    the engine remembers from its own store, before the pin's answer (engine.offload.view);
     ``ask-first`` waits for the answer."""
     conn = _connector(daemon, layerwise=path != "whole", speculate=path != "ask-first")
     llm, ref = _llm(model, conn), _llm(model)

@@ -1,4 +1,4 @@
-"""Batched copies between a block tensor and arena chunk files (engine.offload_copy), on CPU."""
+"""Batched copies between a block tensor and arena chunk files (engine.offload.copies), on CPU."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.connector_config import COPY_MODES
-from engine.offload_copy import ArenaBlocks
-from engine.offload_cuda import pair_runs
+from engine.offload.config import COPY_MODES
+from engine.offload.copies import ArenaBlocks
+from engine.offload.cuda_runtime import pair_runs
 from offloadd.arena import ArenaGeometry, ArenaMapping, create_chunk_file
 
 SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, tokens, heads, dim

@@ -1,10 +1,10 @@
-"""The host-tier hit rule (engine.offload_lookup): exact cases, no daemon needed."""
+"""The host-tier hit rule (engine.offload.lookup): exact cases, no daemon needed."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.offload_lookup import GroupHitInput, first_needed_block, hit_length, lookup_keys
+from engine.offload.lookup import GroupHitInput, first_needed_block, hit_length, lookup_keys
 
 BS = 16
 WINDOW = 32  # two blocks

@@ -1,4 +1,4 @@
-"""The ctypes prototypes of engine.offload_cuda against a C stand-in for libcudart.
+"""The ctypes prototypes of engine.offload.cuda_runtime against a C stand-in for libcudart.
 
 cudaMemcpyBatchAsync changed its argument list between the CUDA 12.8/12.9 runtime (with
 ``failIdx``) and 13.x (without); a wrong prototype corrupts the stack instead of failing. With no
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.offload_cuda import (
+from engine.offload.cuda_runtime import (
     BatchUnsupportedError,
     CudaMemcpyAttributes,
     DmaCopier,

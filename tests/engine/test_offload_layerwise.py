@@ -1,4 +1,4 @@
-"""Layer-by-layer loads from arena slots into KV blocks (engine.offload_layerwise).
+"""Layer-by-layer loads from arena slots into KV blocks (engine.offload.layerwise).
 
 On CPU each layer is copied when the step first waits for it (the rest by ``finish``); on CUDA
 the copies run on a load stream with one event per layer, by 2-D DMA where slots and block ids
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.offload_copy import ArenaBlocks
-from engine.offload_layerwise import GroupLoad, LayerLoader
+from engine.offload.copies import ArenaBlocks
+from engine.offload.layerwise import GroupLoad, LayerLoader
 from offloadd.arena import ArenaGeometry, ArenaMapping, create_chunk_file
 
 SHAPE = (3, 2, 4, 2, 8)  # layers, K/V, tokens, heads, dim

@@ -1,4 +1,4 @@
-"""The engine's view of the host tier: where its blocks sit (engine.offload_view)."""
+"""The engine's view of the host tier: where its blocks sit (engine.offload.view)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from engine.offload_view import SpeculativeLoad, TierView, leading, vouched
+from engine.offload.view import SpeculativeLoad, TierView, leading, vouched
 from offloadd.client import GroupQuery
 
 

@@ -85,14 +85,16 @@ def _model(records: list[LogRecord]) -> dict[tuple[str, str, int], frozenset[int
 
 
 def _on_cycle(tier: Mapping[int, BlockEntry], start: int) -> bool:
-    """Random hashes can make parent cycles, where no order puts every parent first."""
-    seen, cur = set(), tier[start].parent
-    while cur is not None and cur in tier and cur not in seen:
-        if cur == start:
+    """Random hashes can make parent cycles, where no order puts every parent first: true when
+    the chain of parents from ``start`` runs into a cycle (``start`` on it or hanging off it)."""
+    seen: set[int] = {start}
+    cur = tier[start].parent
+    while cur is not None and cur in tier:
+        if cur in seen:
             return True
         seen.add(cur)
         cur = tier[cur].parent
-    return cur == start
+    return False
 
 
 def _apply_all(records: list[LogRecord]) -> CacheState:

@@ -17,7 +17,7 @@ from events.records import RECORD_FIELD, decode_record, encode_record
 from events.schema import BlockStored, LogRecord
 from events.state import CacheState
 from offloadd.client import OffloadClient, OffloadClientError
-from offloadd.metadata import Append, LogConflict, MetadataStore, RedisUnavailable
+from offloadd.log.metadata import Append, LogConflict, MetadataStore, RedisUnavailable
 from tests.offloadd.conftest import GROUP, chain
 from tests.support.offloadd_proc import DaemonProcess
 

@@ -224,7 +224,7 @@ def test_reserve_does_not_evict_what_it_reports_stored(client: OffloadClient) ->
 def test_generations_name_each_assignment_of_a_slot(client: OffloadClient) -> None:
     """Reserve and Lookup give each slot's generation: one assignment of that slot to that
     block. A slot given again, even to the very block it held before, gets a new one: what an
-    engine that read a remembered slot checks the pin's answer against (engine.offload_view)."""
+    engine that read a remembered slot checks the pin's answer against (engine.offload.view)."""
     table = client.register_engine("e", 1, "m", [GROUP]).map_generations(0)
     first = chain(16, salt="g")  # the arena's 16 slots
     res = client.reserve("e", 0, first)
@@ -253,7 +253,7 @@ def test_generations_name_each_assignment_of_a_slot(client: OffloadClient) -> No
 
 
 def test_lookup_future_answers_as_lookup_does(client: OffloadClient) -> None:
-    """The Lookup an engine sends while it already loads (engine.offload_view): same answer,
+    """The Lookup an engine sends while it already loads (engine.offload.view): same answer,
     same errors, from ``result()``."""
     blocks = chain(3)
     _store(client, "e", blocks)

@@ -16,8 +16,8 @@ from offloadd.arena import (
     generations_path,
 )
 from offloadd.config import ConfigError, load_config
-from offloadd.eviction import ArcPolicy, LruPolicy
-from offloadd.index import BlockState, LayoutIndex, SlotEntry
+from offloadd.tier.eviction import ArcPolicy, LruPolicy
+from offloadd.tier.index import BlockState, LayoutIndex, SlotEntry
 
 
 def test_config_flags_env_defaults() -> None:

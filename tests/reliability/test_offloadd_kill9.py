@@ -17,10 +17,10 @@ import threading
 import time
 from pathlib import Path
 
-from engine.connector import OffloadingConnector
-from engine.connector_config import OffloadConnectorConfig
 from engine.ingest_sink import IngestEventSink
 from engine.llm import LLM
+from engine.offload.config import OffloadConnectorConfig
+from engine.offload.connector import OffloadingConnector
 from engine.sampling import SamplingParams
 from events.hashing import to_wire
 from events.schema import LogRecord

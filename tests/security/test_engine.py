@@ -20,9 +20,9 @@ from engine.engine_loop import EngineLoop
 from engine.model.checkpoint import TinyModelSpec, write_tiny_model
 from engine.server import create_server
 from events.schema import BlockStored
-from offloadd.auth import MISSING, WRONG
 from offloadd.client import ClientSecurity, OffloadClient
-from offloadd.tls import server_credentials
+from rpc.auth import MISSING, WRONG
+from rpc.tls import server_credentials
 from tests.security.conftest import TOKEN, WRONG_TOKEN, start_daemon, write_token
 from tests.security.pki import Pki
 from tests.support.offloadd_proc import REPO

@@ -16,7 +16,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from events.schema import BlockStored
-from offloadd.auth import MISSING, WRONG
 from offloadd.client import (
     AsyncOffloadClient,
     ClientSecurity,
@@ -24,6 +23,7 @@ from offloadd.client import (
     OffloadClient,
     OffloadClientError,
 )
+from rpc.auth import MISSING, WRONG
 from stack.healthcheck import grpc_serving
 from tests.security.conftest import (
     TOKEN,

@@ -16,7 +16,7 @@ import redis
 from events.logkeys import LogKeys
 from events.schema import BlockStored
 from offloadd.client import BlockToStore, GroupSpec, OffloadClient, ReserveStatus
-from offloadd.logs import redact_url
+from rpc.logs import redact_url
 from tests.security.conftest import TOKEN, other_group, start_daemon
 from tests.support.bridge_proc import BridgeProcess, LogWriter
 from tests.support.offloadd_proc import REPO

@@ -10,10 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from offloadd.auth import MISSING, WRONG, TokenCheck
 from offloadd.config import ConfigError, load_config
-from offloadd.logs import JsonFormatter, redact_url, url_secrets
-from offloadd.tls import ClientSecurity, SecurityConfigError, read_token
+from rpc.auth import MISSING, WRONG, TokenCheck
+from rpc.logs import JsonFormatter, redact_url, url_secrets
+from rpc.tls import ClientSecurity, SecurityConfigError, read_token
 from stack.healthcheck import main as healthcheck_main
 from tests.security.conftest import TOKEN, write_token
 from tests.security.pki import Pki

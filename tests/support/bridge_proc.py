@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class BridgeProcess:
-    """``python -m events.bridge_main`` on free loopback ports; logs go to ``workdir``."""
+    """``python -m bridge.main`` on free loopback ports; logs go to ``workdir``."""
 
     def __init__(
         self, redis_url: str, workdir: Path, *args: str, namespace: str = "default"
@@ -58,7 +58,7 @@ class BridgeProcess:
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "events.bridge_main",
+            sys.executable, "-m", "bridge.main",
             "--redis-url", self.redis_url, "--namespace", self.namespace,
             "--pub", f"tcp://127.0.0.1:{self.pub_port}",
             "--replay", f"tcp://127.0.0.1:{self.replay_port}",

@@ -1,0 +1,84 @@
+"""``kv-bridge`` entry point: builds the config, the Redis client and the bridge; handles signals.
+
+This is the one place of the bridge that imports redis (DESIGN.md 5): the library modules take
+the client and the "Redis is down" exception types from here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from types import FrameType
+
+import redis
+import zmq
+
+from bridge.config import BridgeConfig, config_from_args
+from bridge.metrics import BridgeMetrics, Health, MetricsServer
+from bridge.position import PositionStore
+from bridge.publisher import Bridge
+from events.logreader import LogReader
+
+REDIS_TRANSIENT: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.BusyLoadingError,
+    OSError,
+)
+
+log = logging.getLogger("kvbridge")
+
+
+def build(config: BridgeConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> Bridge:
+    client = redis.Redis.from_url(
+        config.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0, health_check_interval=10
+    )
+    reader = LogReader(client, config.keys, REDIS_TRANSIENT)
+    positions = PositionStore(client, config.keys.bridge(config.name), REDIS_TRANSIENT)
+    return Bridge(config, reader, positions, ctx, BridgeMetrics(), Health())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = config_from_args(sys.argv[1:] if argv is None else argv, os.environ)
+    except ValueError as exc:
+        print(f"kv-bridge: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        bridge = build(config, ctx)
+        server = MetricsServer(config.metrics_host, config.metrics_port, bridge.metrics, bridge.health)
+    except (zmq.ZMQError, OSError) as exc:
+        print(f"kv-bridge: error: cannot bind: {exc}", file=sys.stderr)
+        ctx.destroy(linger=0)  # a socket bound before the failing one is still open
+        return 2
+    server.start()
+    log.info("metrics and health on port %d", server.port)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        bridge.run(stop)
+    finally:
+        server.stop()
+        ctx.term()
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""kv-bridge core: tails the log and republishes it in the vLLM ZMQ wire format (WIRE.md).
+
+One published batch per log record. Seqs are numbered per published stream (the mixed stream,
+or one source's stream in per-source mode) by :class:`bridge.seqindex.SeqIndex`, derived from
+the log itself at start: in the mixed stream seq = offset - 1 as long as no record is empty
+(an empty record takes no seq, because the wire never carries an empty batch). A restarted
+bridge resumes after the last offset it saved (bridge.position), so subscribers see the
+sequence continue; after a SIGKILL the few batches published since the last save are sent
+again with the same seqs, which subscribers drop as duplicates.
+
+Publishing transcodes the stored record straight into the wire layout (bridge.transcode);
+the state, needed only for snapshots, is applied in idle time (bridge.state).
+
+Threads: the caller's thread runs :meth:`Bridge.run` (read, publish, apply) and owns the PUB
+socket; a :class:`bridge.replay_server.ReplayServer` thread owns the ROUTER socket and reads the
+log itself. ``_lock`` guards the state and the seq indexes they share.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from bridge.config import BridgeConfig
+from bridge.metrics import BridgeMetrics, Health
+from bridge.position import PositionStore, SavedPosition
+from bridge.replay_server import ReplayPlan, ReplayServer, SnapshotPlan
+from bridge.seqindex import SeqIndex
+from bridge.state import GcPolicy, LazyState
+from bridge.transcode import Transcoded, batch_for, takes_seq
+from events.logreader import LogReader, LogUnavailable, RawEntry
+
+log = logging.getLogger("kvbridge")
+
+
+class PublishedStream:
+    """One topic with its own contiguous seq; ``source`` None publishes every source."""
+
+    def __init__(self, topic: str, source: str | None) -> None:
+        self.topic = topic
+        self.topic_bytes = topic.encode()
+        self.source = source
+        self.index = SeqIndex()
+
+    def wants(self, batch: Transcoded | None) -> bool:
+        return takes_seq(batch, self.source)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    pub: str
+    replay: str
+
+
+class Bridge:
+    def __init__(
+        self,
+        config: BridgeConfig,
+        reader: LogReader,
+        positions: PositionStore,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        metrics: BridgeMetrics | None = None,
+        health: Health | None = None,
+    ) -> None:
+        self.config = config
+        self._reader = reader
+        self._positions = positions
+        self.metrics = metrics or BridgeMetrics()
+        self.health = health or Health()
+        self._lock = threading.Lock()
+        self._state = LazyState(self.metrics, config.max_pending)
+        self._gc = GcPolicy(config.full_gc_interval_s)
+        self._streams: dict[str, PublishedStream] = {}
+        self._position = 0  # last log offset published (its apply may still be pending)
+        self._events_in_chunk = 0
+        self._saved_position = -1
+        self._last_save = 0.0
+        self._started = False
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+        self._pub.setsockopt(zmq.LINGER, 1000)
+        self._pub.bind(config.pub_endpoint)
+        self._replay = ReplayServer(ctx, config, reader, self, self.metrics)
+        if config.source is not None:
+            self._stream_for(config.source)
+        elif not config.per_source:
+            self._streams[config.topic] = PublishedStream(config.topic, None)
+
+    @property
+    def endpoints(self) -> Endpoints:
+        pub = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        return Endpoints(pub, self._replay.endpoint)
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    # -- main loop ---------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Publish until ``stop`` is set; Redis outages are retried with backoff, never fatal."""
+        backoff = 0.1
+        try:
+            while not stop.is_set():
+                try:
+                    if not self._started:
+                        self._start()
+                    self._step()
+                    backoff = 0.1
+                except LogUnavailable as exc:
+                    self.metrics.redis_errors.inc()
+                    self.metrics.redis_up.set(0)
+                    self.health.set(redis_ok=False, detail=str(exc))
+                    log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                    stop.wait(backoff)
+                    backoff = min(backoff * 2, 2.0)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._replay.stop()
+        if self._started:
+            try:
+                self._save(force=True)
+            except LogUnavailable as exc:
+                log.warning("could not save the position on stop: %s", exc)
+        self._pub.close()
+
+    def _start(self) -> None:
+        """Rebuild state and seq indexes from the log up to where publishing resumes."""
+        saved = self._positions.load()
+        head, first = self._reader.head(), self._reader.first_offset()
+        if saved is not None and saved.offset > head:
+            log.warning("saved position %d is beyond the log head %d (log reset?); starting at the head",
+                        saved.offset, head)
+            saved = None
+        if self.config.start == "beginning":
+            resume = 0
+        elif self.config.start == "resume" and saved is not None:
+            resume = saved.offset
+        else:
+            resume = head
+        with self._lock:
+            self._state.reset()
+            for stream in self._streams.values():
+                stream.index = SeqIndex()
+            self._position = 0
+            entries = self._reader.iter_range_raw(1, resume, self.config.read_chunk)
+            for n, entry in enumerate(entries):
+                self._state.apply_entry(entry)
+                self._index(entry[0], batch_for(entry[1], self.config.layout))
+                self._position = entry[0]
+                if n % 1000 == 999:
+                    self._gc.after_chunk()
+            self._gc.after_chunk()
+            self._position = max(resume, self._position)
+            self._rebase(saved, first)
+        self._started = True
+        self.metrics.redis_up.set(1)
+        self.health.set(redis_ok=True, detail=f"publishing after offset {self._position}", ready=True)
+        self._replay.start()
+        log.info("kv-bridge ready: pub=%s replay=%s topic=%s layout=%s resume_after=%d head=%d",
+                 self.endpoints.pub, self.endpoints.replay, self.config.topic, self.config.layout,
+                 self._position, head)
+
+    def _rebase(self, saved: SavedPosition | None, first: int) -> None:
+        """After trimming, old records are gone: continue the saved numbering instead."""
+        if first <= 1:
+            return
+        for topic, stream in self._streams.items():
+            if saved is not None and topic in saved.next_seqs:
+                stream.index.rebase(max(0, saved.next_seqs[topic] - len(stream.index)))
+            elif stream.source is None:
+                stream.index.rebase(first - 1)
+
+    def _step(self) -> None:
+        # With applies pending, only peek for new records: idle time goes to the state.
+        block_ms = 0 if self._state.pending else self.config.poll_block_ms
+        records = self._reader.poll_raw(self._position, block_ms, self.config.read_chunk)
+        self.health.set(redis_ok=True, detail=f"publishing after offset {self._position}")
+        self.metrics.redis_up.set(1)
+        if records:
+            published = 0
+            self._events_in_chunk = 0
+            with self._lock:
+                for record in records:
+                    published += self._publish(record)
+            self._count(records, published)
+        elif self._state.pending:
+            with self._lock:
+                # Small slices keep a record that arrives meanwhile from waiting long.
+                self._state.catch_up(limit=200)
+        self._gc.after_chunk()
+        self._save(force=False)
+
+    def _count(self, entries: list[RawEntry], published: int) -> None:
+        """Metrics once per chunk: per-record label lookups cost as much as the publishing."""
+        m = self.metrics
+        m.records_read.inc(len(entries))
+        m.offset.set(self._position)
+        m.head.set(entries[-1][0])
+        m.pending.set(self._state.pending)
+        for stream in self._streams.values():
+            m.next_seq.labels(stream.topic).set(stream.index.next_seq)
+        m.published_events.inc(self._events_in_chunk)
+        topic = next(iter(self._streams)) if len(self._streams) == 1 else "*"
+        m.published_batches.labels(topic).inc(published)
+
+    def _publish(self, entry: RawEntry) -> int:
+        """Publish one record on its stream (1 when published); its apply is queued."""
+        offset, data = entry
+        if offset != self._position + 1:
+            log.warning("log offsets jump from %d to %d", self._position, offset)
+        self._state.add(entry)
+        batch = batch_for(data, self.config.layout)
+        stream = self._index(offset, batch)
+        self._position = offset
+        if stream is None or batch is None:
+            return 0
+        self._events_in_chunk += batch.num_events
+        seq = stream.index.next_seq - 1
+        pub = self._pub
+        pub.send(stream.topic_bytes, zmq.SNDMORE)
+        pub.send(seq.to_bytes(8, "big"), zmq.SNDMORE)
+        pub.send(batch.payload)
+        return 1
+
+    def _index(self, offset: int, batch: Transcoded | None) -> PublishedStream | None:
+        """Give the record its seq on the stream that publishes it (if any)."""
+        if batch is None:
+            log.error("log entry %d cannot be decoded; it is not published", offset)
+            return None
+        stream = self._stream_for(batch.source)
+        if stream is None or not stream.wants(batch):
+            return None
+        stream.index.append(offset)
+        return stream
+
+    def _stream_for(self, source: str) -> PublishedStream | None:
+        if self.config.per_source or self.config.source == source:
+            topic = self.config.topic_for(source)
+            stream = self._streams.get(topic)
+            if stream is None:
+                stream = self._streams[topic] = PublishedStream(topic, source)
+            return stream
+        if self.config.source is not None:
+            return None
+        return self._streams[self.config.topic]
+
+    def _save(self, force: bool) -> None:
+        now = time.monotonic()
+        if self._position == self._saved_position:
+            return
+        if not force and now - self._last_save < self.config.save_interval_s:
+            return
+        with self._lock:
+            position = SavedPosition(
+                self._position, {t: s.index.next_seq for t, s in self._streams.items()}
+            )
+        self._positions.save(position)
+        self._saved_position = position.offset
+        self._last_save = now
+
+    # -- what the replay thread asks (under the lock) ----------------------------------------
+
+    def replay_plan(self, topic: bytes | None, start_seq: int) -> ReplayPlan | None:
+        with self._lock:
+            stream = self._stream_by_topic(topic)
+            if stream is None:
+                return None
+            index = stream.index
+            first_seq = max(start_seq, index.base_seq)
+            if first_seq >= index.next_seq:
+                return ReplayPlan(stream.topic_bytes, stream.source, first_seq, 0, -1)
+            return ReplayPlan(
+                stream.topic_bytes, stream.source, first_seq, index.offset_of(first_seq),
+                index.last_offset,
+            )
+
+    def snapshot_plan(self, topic: bytes | None) -> SnapshotPlan | None:
+        with self._lock:
+            stream = self._stream_by_topic(topic)
+            if stream is None:
+                return None
+            snap = self._state.export()
+            parts = tuple(
+                (s.source, s.events)
+                for s in snap.sources
+                if s.events and (stream.source is None or s.source == stream.source)
+            )
+            return SnapshotPlan(stream.topic_bytes, parts, stream.index.next_seq)
+
+    def _stream_by_topic(self, topic: bytes | None) -> PublishedStream | None:
+        if topic is None:
+            # A plain request names no topic: fine with one fixed stream; with --per-source the
+            # streams come and go with the sources, so the topic frame is required.
+            return None if self.config.per_source else next(iter(self._streams.values()))
+        return self._streams.get(topic.decode(errors="replace"))

@@ -1,0 +1,181 @@
+"""The bridge's ROUTER socket: replay from any seq still in the log, and snapshots (WIRE.md).
+
+Runs on its own thread and reads the log itself, so a long replay does not hold up live
+publishing: it takes the bridge's lock only to look up where a seq lives (or to export the
+state for a snapshot), then streams records from Redis in chunks. The ROUTER socket is in
+mandatory mode so a slow requester makes us wait (up to a timeout) instead of losing frames.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import zmq
+
+from bridge.config import BridgeConfig
+from bridge.metrics import BridgeMetrics
+from bridge.transcode import batch_for, takes_seq
+from events.codec_vllm import encode_batch
+from events.logreader import LogReader, LogUnavailable
+from events.schema import BlockStored
+from events.wire_frames import END_SEQ, BadRequest, ReplayRequest, parse_request, seq_bytes
+
+log = logging.getLogger("kvbridge.replay")
+
+SNAPSHOT_EVENTS_PER_BATCH = 64
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """Records of ``source`` (None: all) in ``[start_offset, end_offset]`` get seqs from ``start_seq``."""
+
+    topic: bytes
+    source: str | None
+    start_seq: int
+    start_offset: int
+    end_offset: int
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    topic: bytes
+    parts: tuple[tuple[str, tuple[BlockStored, ...]], ...]  # (source, events parents-first)
+    next_seq: int
+
+
+class ReplaySource(Protocol):
+    def replay_plan(self, topic: bytes | None, start_seq: int) -> ReplayPlan | None: ...
+
+    def snapshot_plan(self, topic: bytes | None) -> SnapshotPlan | None: ...
+
+
+class _PeerGone(Exception):
+    pass
+
+
+class ReplayServer:
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        config: BridgeConfig,
+        reader: LogReader,
+        source: ReplaySource,
+        metrics: BridgeMetrics,
+    ) -> None:
+        self._config = config
+        self._reader = reader
+        self._source = source
+        self._metrics = metrics
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.SNDHWM, config.hwm)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(config.replay_endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvbridge-replay", daemon=True)
+
+    def start(self) -> None:
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._sock.close()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(100, zmq.POLLIN):
+                continue
+            frames = self._sock.recv_multipart()
+            try:
+                request = parse_request(frames)
+            except BadRequest as exc:
+                self._metrics.requests.labels("malformed").inc()
+                log.warning("ignoring malformed replay request (%d frames): %s", len(frames), exc)
+                continue
+            try:
+                self._handle(request)
+            except _PeerGone:
+                log.info("replay requester went away")
+            except Exception:  # one bad request must never stop the replay service
+                log.exception("replay request failed")
+
+    def _handle(self, request: ReplayRequest) -> None:
+        if request.start_seq is None:
+            self._metrics.requests.labels("snapshot").inc()
+            snap = self._source.snapshot_plan(request.topic)
+            if snap is None:
+                log.warning("snapshot request for unknown topic %r ignored", request.topic)
+                return
+            self._send_snapshot(request.identity, snap)
+            return
+        self._metrics.requests.labels("replay").inc()
+        plan = self._source.replay_plan(request.topic, request.start_seq)
+        if plan is None:
+            log.warning("replay request for unknown topic %r ignored", request.topic)
+            return
+        sent = 0
+        try:
+            sent = self._send_replay(request.identity, plan)
+        except LogUnavailable as exc:
+            log.warning("replay from seq %d cut short: %s", request.start_seq, exc)
+        log.info("replayed %d batches from seq %d", sent, plan.start_seq)
+        self._send(request.identity, [b"", END_SEQ, b""])
+
+    def _send_replay(self, identity: bytes, plan: ReplayPlan) -> int:
+        seq = plan.start_seq
+        if plan.end_offset < plan.start_offset:
+            return 0
+        layout = self._config.layout
+        for _offset, data in self._reader.iter_range_raw(
+            plan.start_offset, plan.end_offset, self._config.replay_chunk
+        ):
+            batch = batch_for(data, layout)
+            if batch is None or not takes_seq(batch, plan.source):
+                continue  # the publisher's rule: such records took no seq
+            self._send(identity, [plan.topic, seq_bytes(seq), batch.payload])
+            self._metrics.replayed_batches.inc()
+            seq += 1
+        return seq - plan.start_seq
+
+    def _send_snapshot(self, identity: bytes, snap: SnapshotPlan) -> None:
+        layout = self._config.layout
+        index = 0
+        ts = time.time()
+        for source, events in snap.parts:
+            src = source if layout == "map" else None
+            for batch in _chunks(events, SNAPSHOT_EVENTS_PER_BATCH):
+                payload = encode_batch(batch, ts, layout=layout, source=src)
+                self._send(identity, [snap.topic, seq_bytes(index), payload])
+                index += 1
+        self._send(identity, [b"", seq_bytes(snap.next_seq), b""])
+        log.info("sent a snapshot of %d batches; continue from seq %d", index, snap.next_seq)
+
+    def _send(self, identity: bytes, frames: list[bytes]) -> None:
+        """Send one reply; wait while the requester's pipe is full, give up after a timeout."""
+        deadline = time.monotonic() + self._config.replay_send_timeout_s
+        msg = [identity, b"", *frames]
+        while True:
+            try:
+                self._sock.send_multipart(msg, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if self._stop.is_set() or time.monotonic() > deadline:
+                    raise _PeerGone() from None
+                time.sleep(0.001)  # POLLOUT on a ROUTER does not track one peer's pipe
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    raise _PeerGone() from None
+                raise
+
+
+def _chunks(events: Sequence[BlockStored], size: int) -> list[Sequence[BlockStored]]:
+    return [events[i : i + size] for i in range(0, len(events), size)]

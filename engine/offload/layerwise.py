@@ -1,0 +1,307 @@
+"""Loads that complete layer by layer, so that a step computes layer i while layer i+1 loads.
+
+A CPU-tier hit moves every layer of the prefix's blocks from the arena into fresh GPU blocks,
+and the step that follows reads layer i only in its layer i. Waiting for the whole copy before
+the step would put the copy (bytes at the PCIe limit) and the step's compute end to end; loading
+layer by layer lets them overlap, so a hit costs about the copy plus one layer of compute.
+
+- CUDA: the copies run on one load stream, in layer order, ordered after the work enqueued
+  so far, layer 0 of every block first; one event per layer is recorded once that layer of
+  every block is in place. The step waits on each layer's event right before the layer (the
+  eager attention backend, or between per-layer CUDA graph segments: engine.step_graphs). The
+  first ``LOOKAHEAD_LAYERS`` layers are issued at admission and each wait issues one more, so
+  the host launches the step's first layers right after the first copies. Per layer, blocks
+  whose slots and GPU block ids both follow on go as one 2-D DMA copy per run
+  (``cudaMemcpy2DAsync``: rows of one layer's bytes, pitched by the block's bytes on both
+  sides); scattered ones as one gather kernel through the mapped arena.
+- CPU: nothing runs concurrently with the step, so each layer is copied when the step first
+  waits for it; every layer left is copied before the next step (:meth:`LayerLoads.finish`).
+
+Whatever happens, :meth:`LayerLoads.finish` leaves every load complete in stream order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from engine.offload.copies import ArenaBlocks
+from engine.offload.cuda_runtime import CUDA_MEMCPY_DEFAULT, find_cuda_memcpy_2d, loaded_cudart
+
+
+@dataclass(frozen=True)
+class GroupLoad:
+    """One group's share of a load: ``kv[block_ids[i]] = arena slot slots[i]`` (engine blocks)."""
+
+    group_idx: int
+    arena: ArenaBlocks
+    kv: Tensor  # [num_blocks, layers, ...]
+    block_ids: Sequence[int]
+    slots: Sequence[int]
+
+
+def _layer_dtype(layer_bytes: int, fallback: torch.dtype) -> torch.dtype:
+    """Move one layer of a block as wide elements where its size allows (fewer accesses)."""
+    for dtype, n in ((torch.complex128, 16), (torch.int64, 8)):
+        if layer_bytes % n == 0:
+            return dtype
+    return fallback
+
+
+class _GroupPlan:
+    """How one group's blocks move, layer by layer."""
+
+    def __init__(self, load: GroupLoad, memcpy_2d: object | None) -> None:
+        self.load = load
+        kv, arena = load.kv, load.arena
+        self.layers = int(kv.shape[1])
+        self.block_bytes = kv[0].numel() * kv.element_size()
+        if self.block_bytes % self.layers:
+            raise ValueError(f"a block of {self.block_bytes} bytes does not split into {self.layers} layers")
+        self.layer_bytes = self.block_bytes // self.layers
+        self.dtype = _layer_dtype(self.layer_bytes, kv.dtype)
+        if len(load.block_ids) != len(load.slots):
+            raise ValueError(f"{len(load.block_ids)} blocks but {len(load.slots)} slots")
+        # In numpy: a 4096-token hit plans 256 blocks, on the host's path to its first copy.
+        spc = arena.geometry.slots_per_chunk
+        slots = np.asarray(load.slots, dtype=np.int64)
+        ids = np.asarray(load.block_ids, dtype=np.int64)
+        order = np.lexsort((ids, slots))  # by slot, then block id
+        slots, ids = slots[order], ids[order]
+        for s in (int(slots[0]), int(slots[-1])):
+            if not 0 <= s < arena.geometry.max_slots:
+                raise IndexError(f"slot {s} outside [0, {arena.geometry.max_slots})")
+        chunk, local = np.divmod(slots, spc)
+        # Per chunk file: (slots inside the chunk, block ids), in slot order.
+        bounds = np.flatnonzero(chunk[1:] != chunk[:-1]) + 1
+        self.chunks: dict[int, tuple[list[int], list[int]]] = {
+            int(chunk[a]): (local[a:b].tolist(), ids[a:b].tolist())
+            for a, b in zip([0, *bounds.tolist()], [*bounds.tolist(), len(slots)], strict=True)
+        }
+        # Runs where the slot (inside one chunk) and the block id both go up by one:
+        # [chunk, first local slot, first block id, length].
+        brk = np.ones(len(slots), dtype=bool)
+        brk[1:] = (np.diff(slots) != 1) | (np.diff(ids) != 1) | (chunk[1:] != chunk[:-1])
+        starts = np.flatnonzero(brk)
+        lengths = np.diff(starts, append=len(slots))
+        runs = list(zip(chunk[starts].tolist(), local[starts].tolist(), ids[starts].tolist(),
+                        lengths.tolist(), strict=True))
+        cuda = kv.is_cuda
+        pageable = cuda and any(arena.chunk_is_pageable(c) for c in self.chunks)
+        self.dma = bool(cuda and memcpy_2d is not None and not pageable and len(runs) * 4 <= len(slots))
+        self.pageable = pageable
+        self.dma_runs = [(arena.host_chunk(c).data_ptr() + s * self.block_bytes,
+                          kv.data_ptr() + b * self.block_bytes, n) for c, s, b, n in runs] if self.dma else []
+        # Gather path: per chunk, the source as [slots, layers, elements] (the device alias on
+        # CUDA) and the two index tensors, made once for every layer. On CUDA the indices are
+        # uploaded on the current stream, which the load stream waits for (LayerLoads.add).
+        self._gathers: list[tuple[Tensor, Tensor, Tensor]] = []
+        self._dst: Tensor | None = None
+        if not self.dma:
+            self._prepare_gathers()
+
+    def _prepare_gathers(self) -> None:
+        kv, arena = self.load.kv, self.load.arena
+        dev = kv.device
+        self._dst = kv.view(kv.shape[0], -1).view(torch.uint8).view(kv.shape[0], self.layers, -1).view(self.dtype)
+        for c, (local, ids) in self.chunks.items():
+            view = arena.device_chunk(c) if kv.is_cuda and not self.pageable else arena.host_chunk(c)
+            src = view.view(torch.uint8).view(view.shape[0], self.layers, -1).view(self.dtype)
+            local_t = arena.index(local, torch.device("cpu") if self.pageable else dev)
+            self._gathers.append((src, local_t, arena.index(ids, dev)))
+
+    def copy_layer(self, li: int, memcpy_2d: Callable[..., int] | None = None,
+                   handle: ctypes.c_void_p | None = None) -> None:
+        """Enqueue (CUDA: on ``handle``'s stream for DMA, else on the current stream) or do
+        (CPU) the copy of layer ``li`` of every block."""
+        if self.dma:
+            assert memcpy_2d is not None
+            off, bb, lb = li * self.layer_bytes, self.block_bytes, self.layer_bytes
+            for src_ptr, dst_ptr, n in self.dma_runs:
+                err = memcpy_2d(dst_ptr + off, bb, src_ptr + off, bb, lb, n, CUDA_MEMCPY_DEFAULT, handle)
+                if err != 0:
+                    raise RuntimeError(f"cudaMemcpy2DAsync of layer {li} failed: error {err}")
+            return
+        assert self._dst is not None
+        dst = self._dst[:, li]
+        for src, local, ids in self._gathers:
+            rows = src[:, li].index_select(0, local)
+            dst.index_copy_(0, ids, rows.to(dst.device) if self.pageable else rows)
+
+
+LOOKAHEAD_LAYERS = 4
+"""CUDA: layers whose copies are issued ahead of the layer the step waits for. The rest are
+issued from the step's own waits, so that its first layers launch right after the first
+copies instead of after all of them (the host issues both in turn)."""
+
+
+class _Pending:
+    """A plan of this step, and how far it got: layers issued (CUDA) or copied (CPU)."""
+
+    def __init__(self, plan: _GroupPlan) -> None:
+        self.plan = plan
+        self.next = 0  # CUDA: layers [0, next) issued
+        self.copied = [False] * plan.layers  # CPU
+
+
+class LayerLoads:
+    """One step's loads; the step calls :meth:`wait_layer` before each layer, and
+    :meth:`finish` after the step (whatever it did)."""
+
+    def __init__(self, loader: LayerLoader) -> None:
+        self.loader = loader
+        self.device = loader.device
+        self.is_cuda = loader.is_cuda
+        self._events: dict[tuple[int, int], torch.cuda.Event] = {}
+        self._pending: list[_Pending] = []
+        self._issued_upto = 0  # CUDA: layers below this are issued for every plan
+        self._timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self.copy_seconds = 0.0
+        """CPU: time spent in the deferred copies so far."""
+
+    @property
+    def empty(self) -> bool:
+        return not self._pending
+
+    def add(self, plans: Sequence[_GroupPlan], timing: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
+        pending = [_Pending(p) for p in plans]
+        if not self.is_cuda or not pending:
+            self._pending.extend(pending)
+            return
+        # Every load of the step orders the load stream after the current stream: the fresh
+        # blocks may still be read by work enqueued before, and the plan's own index uploads.
+        self.loader.start(timing if not self._pending else None)
+        if not self._pending:
+            self._timing = timing
+        self._pending.extend(pending)
+        for x in pending:  # catch up with the plans added earlier in this step
+            self._issue(x, self._issued_upto)
+        self._issue_upto(LOOKAHEAD_LAYERS)
+
+    def _issue(self, x: _Pending, upto: int) -> None:
+        while x.next < min(upto, x.plan.layers):
+            self._events[(x.plan.load.group_idx, x.next)] = self.loader.issue(x.plan, x.next)
+            x.next += 1
+
+    def _issue_upto(self, layer: int) -> None:
+        if layer <= self._issued_upto:
+            return
+        for li in range(self._issued_upto, layer):
+            for x in self._pending:
+                self._issue(x, li + 1)
+        self._issued_upto = layer
+
+    def wait_layer(self, group_idx: int, layer: int) -> None:
+        """Make what follows on the current stream (CUDA) or in this thread (CPU) see every
+        block of layer ``layer`` of group ``group_idx`` loaded."""
+        if self.is_cuda:
+            self._issue_upto(layer + 1 + LOOKAHEAD_LAYERS)
+            ev = self._events.get((group_idx, layer))
+            if ev is not None:
+                torch.cuda.current_stream(self.device).wait_event(ev)
+            return
+        for x in self._pending:
+            if x.plan.load.group_idx == group_idx and not x.copied[layer]:
+                self._copy(x, layer)
+
+    def finish(self) -> torch.cuda.Event | None:
+        """Every load issued and complete in stream order (CUDA) or done (CPU): after the
+        step, or when a step did not wait for some layer. CUDA: returns an event that
+        completes after every copy (None when there was nothing to load)."""
+        if not self._pending:
+            return None
+        if not self.is_cuda:
+            for x in self._pending:
+                for li in range(x.plan.layers):
+                    if not x.copied[li]:
+                        self._copy(x, li)
+            self._pending.clear()
+            return None
+        self._issue_upto(max(x.plan.layers for x in self._pending))
+        done = self.loader.join(self._timing)  # after every copy on the load stream
+        torch.cuda.current_stream(self.device).wait_event(done)
+        self._events.clear()
+        self._pending.clear()  # new allocations on any stream now follow the copies
+        self._issued_upto = 0
+        self._timing = None
+        return done
+
+    def _copy(self, x: _Pending, layer: int) -> None:
+        t0 = time.perf_counter()
+        x.plan.copy_layer(layer)
+        x.copied[layer] = True
+        self.copy_seconds += time.perf_counter() - t0
+
+
+class LayerLoader:
+    """Plans loads and issues their layers on a load stream (CUDA); on CPU the copies are
+    deferred to the step's waits."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        # One stream, layers in order. With two (layers alternating, to hide each copy's tail)
+        # the copy engine did not keep the layers in order, and the step, which waits for them
+        # in order, stalled 0.5-0.75 ms mid-way for a layer that came late (H200 timeline).
+        self._stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self._handle = ctypes.c_void_p(int(self._stream.cuda_stream)) if self._stream is not None else None
+        # One event per (group, layer), recorded again by every load: a step's waits are
+        # enqueued before the next step records it again, and two loads of one step record
+        # it on the same stream, in order.
+        self._events: dict[tuple[int, int], torch.cuda.Event] = {}
+        self._memcpy_2d = find_cuda_memcpy_2d(loaded_cudart()) if self.is_cuda else None
+        self.issued: dict[str, int] = {}
+        """Group loads planned per path: ``dma`` (2-D copies of runs) or ``kernel`` (gather)."""
+
+    def new_step(self) -> LayerLoads:
+        return LayerLoads(self)
+
+    def load(self, groups: Sequence[GroupLoad], into: LayerLoads,
+             timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> None:
+        """Plan every group's copies and hand them to ``into`` (CUDA: the first layers are
+        issued now, layer 0 of every group first). Bad input raises before anything is
+        issued. ``timing`` (CUDA) is recorded around the step's copies."""
+        plans = [_GroupPlan(g, self._memcpy_2d) for g in groups if len(g.block_ids)]
+        for p in plans:
+            path = "dma" if p.dma else "kernel"
+            self.issued[path] = self.issued.get(path, 0) + 1
+        into.add(plans, timing)
+
+    def start(self, timing: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
+        """Before a load's first copy: order the load stream after the work enqueued so far
+        (a step that freed the fresh blocks may still read them; the plan's index uploads)."""
+        assert self._stream is not None
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        if timing is not None:
+            timing[0].record(self._stream)
+
+    def issue(self, plan: _GroupPlan, li: int) -> torch.cuda.Event:
+        """Enqueue layer ``li`` of the plan; returns the event recorded after it. On the host's
+        critical path: no stream context or new event for DMA copies."""
+        st = self._stream
+        assert st is not None
+        if plan.dma:
+            plan.copy_layer(li, self._memcpy_2d, self._handle)
+        else:
+            with torch.cuda.stream(st):
+                plan.copy_layer(li)
+        key = (plan.load.group_idx, li)
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = torch.cuda.Event()
+        ev.record(st)
+        return ev
+
+    def join(self, timing: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> torch.cuda.Event:
+        """An event after everything issued on the load stream."""
+        assert self._stream is not None
+        if timing is not None:
+            timing[1].record(self._stream)
+            return timing[1]
+        return self._stream.record_event()

@@ -1,5 +1,0 @@
-"""kvctl: inspect, hash, replay and verify the KV-event log. ``main`` is the console entry."""
-
-from events.kvctl.main import KvctlError, main
-
-__all__ = ["KvctlError", "main"]

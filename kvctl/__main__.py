@@ -1,0 +1,5 @@
+"""``python -m kvctl``."""
+
+from kvctl.main import main
+
+raise SystemExit(main())

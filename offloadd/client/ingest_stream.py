@@ -1,0 +1,216 @@
+"""IngestStream: an engine's event transport to offloadd (EventIngest.Publish), on a thread.
+
+``submit(events)`` never blocks generation: it assigns the next seq and queues the batch. A
+background thread keeps one Publish stream open, sends unacked batches in seq order, drops
+them once acked (APPLIED or DUPLICATE), rewinds on RESEND, and after any stream error
+reconnects with backoff and resends every unacked batch.
+
+The unacked queue is bounded. When it is full, or when the daemon REJECTS a batch, the stream
+cannot continue truthfully (the lost batch would leave a gap forever), so it starts a new
+incarnation: the daemon then clears this engine's GPU tier, and the log under-reports rather
+than claims blocks that are gone. ``on_reset(new_incarnation)`` lets the engine re-announce
+what it still holds (it is called on the engine's thread for a full queue, on the stream's
+thread otherwise). Every such drop is counted and logged.
+
+``incarnation`` must be new for every life of an engine (the default is time-based): batches of
+a reused incarnation at seqs the daemon already has would be acked as duplicates. When the
+daemon acks a seq beyond any this stream assigned, that reuse is certain and the stream resets.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from kvcache.v1 import events_pb2, log_pb2, log_pb2_grpc
+
+from events.codec_proto import EventBatch, batch_to_proto
+from events.schema import Event
+from rpc.tls import ClientSecurity
+
+log = logging.getLogger(__name__)
+
+_APPLIED, _DUPLICATE, _RESEND, _REJECTED = 1, 2, 3, 4
+
+
+def new_incarnation(previous: int = 0) -> int:
+    """Time-based, so a restarted engine always fences out its previous life."""
+    return max(previous + 1, time.time_ns() // 1000)
+
+
+class IngestStream:
+    def __init__(
+        self, target: str, engine_id: str, incarnation: int | None = None, *,
+        max_pending: int = 1024, max_batch_events: int = 4096,
+        backoff_s: tuple[float, float] = (0.05, 2.0),
+        on_reset: Callable[[int], None] | None = None,
+        credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
+    ) -> None:
+        self.target = target
+        self.engine_id = engine_id
+        self.incarnation = incarnation or new_incarnation()
+        self.max_pending = max_pending
+        self.max_batch_events = max_batch_events
+        self.on_reset = on_reset
+        self._backoff = backoff_s
+        self._cond = threading.Condition()
+        self._pending: OrderedDict[int, events_pb2.EventBatch] = OrderedDict()
+        self._next_seq = 1
+        self._send_from = 1
+        self._rewind_mark = 0
+        self._acked = 0
+        self._connected = False
+        self._closed = False
+        self._call: Any = None
+        self.num_dropped = 0  # batches dropped by resets (queue full or rejected)
+        self.num_resets = 0
+        self.num_reconnects = 0
+        self.last_error = ""
+        self._channel = ClientSecurity(credentials, token).channel(target)
+        self._stub = log_pb2_grpc.EventIngestStub(self._channel)
+        self._thread = threading.Thread(target=self._run, name=f"ingest-{engine_id}", daemon=True)
+        self._thread.start()
+
+    # -- engine side ----------------------------------------------------------------------
+
+    def submit(self, events: Sequence[Event]) -> int:
+        """Queue ``events`` (split into batches of at most max_batch_events); returns the last
+        seq assigned, or 0 when ``events`` is empty (nothing is sent)."""
+        if not events:
+            return 0
+        chunks = [tuple(events[i : i + self.max_batch_events])
+                  for i in range(0, len(events), self.max_batch_events)]
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("IngestStream is closed")
+            full = len(self._pending) + len(chunks) > self.max_pending
+        if full:
+            log.warning("ingest queue full (%d unacked); starting a new incarnation",
+                        len(self._pending))
+            self._reset("unacked queue full")
+        seq = 0
+        with self._cond:
+            for chunk in chunks:
+                seq = self._next_seq
+                self._next_seq += 1
+                self._pending[seq] = batch_to_proto(
+                    EventBatch(self.engine_id, self.incarnation, seq, time.time(), chunk)
+                )
+            self._cond.notify_all()
+        return seq
+
+    def _reset(self, why: str) -> None:
+        with self._cond:
+            self.num_dropped += len(self._pending)
+            self.num_resets += 1
+            self._pending.clear()
+            self.incarnation = new_incarnation(self.incarnation)
+            self._next_seq = self._send_from = 1
+            self._rewind_mark = 0
+            self._acked = 0
+            self.last_error = why
+            incarnation = self.incarnation
+            self._cond.notify_all()
+        log.warning("ingest reset (%s): new incarnation %d", why, incarnation)
+        if self.on_reset is not None:
+            self.on_reset(incarnation)
+
+    @property
+    def is_connected(self) -> bool:
+        return self._connected
+
+    @property
+    def acked_seq(self) -> int:
+        return self._acked
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every submitted batch is acked; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending, timeout_s)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            call = self._call
+        if call is not None:
+            call.cancel()
+        self._thread.join(timeout=5)
+        self._channel.close()
+
+    # -- stream thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = self._backoff[0]
+        while not self._closed:
+            with self._cond:
+                self._send_from = next(iter(self._pending), self._next_seq)
+                self._rewind_mark = 0
+                self._call = self._stub.Publish(self._requests())
+                call = self._call
+            try:
+                for ack in call:
+                    self._connected = True
+                    delay = self._backoff[0]
+                    self._on_ack(ack)
+            except grpc.RpcError as exc:
+                if self._closed:
+                    break
+                self.last_error = f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+                log.info("ingest stream error, reconnecting: %s", self.last_error)
+            self._connected = False
+            self.num_reconnects += 1
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed, delay)
+            delay = min(delay * 2, self._backoff[1])
+
+    def _requests(self) -> Iterator[events_pb2.EventBatch]:
+        with self._cond:
+            mine = self._call  # Publish() returns before this first step runs (lock held)
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._ready_to_send(mine), 0.5)
+                if self._closed or self._call is not mine:
+                    return
+                batch = self._pending.get(self._send_from)
+                if batch is None:
+                    continue
+                self._send_from += 1
+            yield batch
+
+    def _ready_to_send(self, mine: Any) -> bool:
+        return self._closed or self._call is not mine or self._send_from in self._pending
+
+    def _on_ack(self, ack: log_pb2.PublishAck) -> None:
+        reset_why = ""
+        with self._cond:
+            if ack.incarnation != self.incarnation:
+                return  # an answer about a batch from before a reset
+            if ack.status == _REJECTED:
+                reset_why = f"batch {ack.seq} rejected: {ack.message}"
+            elif ack.acked_seq >= self._next_seq:
+                # The daemon holds seqs of this incarnation we never sent: another life of this
+                # engine used the same incarnation. Continuing would drop our batches as
+                # duplicates, so start over under a new one.
+                reset_why = f"daemon acked seq {ack.acked_seq} beyond ours: incarnation reused"
+            else:
+                self._acked = max(self._acked, ack.acked_seq)
+                while self._pending and next(iter(self._pending)) <= self._acked:
+                    self._pending.popitem(last=False)
+                self._send_from = max(self._send_from, self._acked + 1)
+                if ack.status == _RESEND and ack.seq >= self._rewind_mark:
+                    # Batches sent before this rewind all answer RESEND too: ignore those.
+                    self._rewind_mark = self._send_from
+                    self._send_from = max(ack.resend_from, self._acked + 1)
+            self._cond.notify_all()
+        if reset_why:
+            self._reset(reset_why)

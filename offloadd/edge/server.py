@@ -1,0 +1,203 @@
+"""Assembles the daemon: Redis, recovery, store, servicers, health, reflection, metrics, sweeper.
+
+``create_server(config)`` recovers state and binds every listener, returning the running
+:class:`Daemon` and its bound ports (``grpc_port``/``metrics_port`` 0 pick free ones), so tests
+and benchmarks can run it in-process as well as through ``python -m offloadd``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import grpc
+import redis.asyncio as aioredis
+from grpc_health.v1 import _async as health_aio  # the public alias health.aio is untyped
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from events.state import CacheState
+from offloadd.config import OffloaddConfig
+from offloadd.edge.service import Servicers
+from offloadd.log.ingest import Ingest
+from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
+from offloadd.log.recovery import RecoveryReport, audit_gpu_projection, recover
+from offloadd.metrics import DaemonMetrics
+from offloadd.tier.store import HostStore
+from offloadd.tier.writes import StoreWriter
+from rpc.auth import AioTokenInterceptor
+from rpc.tls import read_token, server_credentials
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = ("kvcache.v1.OffloadStore", "kvcache.v1.EventIngest", "kvcache.v1.EventLog")
+
+
+@dataclass(frozen=True)
+class Ports:
+    grpc_port: int
+    metrics_port: int  # -1 when disabled
+    unix_socket: str
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class Daemon:
+    def __init__(self, config: OffloaddConfig) -> None:
+        self.config = config
+        # Read the secrets and TLS material first: a bad file is refused before anything starts.
+        token = read_token(config.auth_token_file) if config.auth_token_file else None
+        self._tls = (server_credentials(config.tls_cert_file, config.tls_key_file,
+                                        config.tls_client_ca_file) if config.is_tls else None)
+        self.redis = aioredis.Redis.from_url(
+            config.redis_url, socket_timeout=config.redis_timeout_s,
+            socket_connect_timeout=config.redis_timeout_s, retry=Retry(NoBackoff(), 0),
+        )
+        self.state = CacheState()
+        self.metadata = MetadataStore(self.redis, config.keys, self.state)
+        self.store = HostStore(config, self.metadata, self.state)
+        self.writer = StoreWriter(self.store)
+        self.ingest = Ingest(self.metadata, self.state, config.max_batch_events)
+        self.metrics = DaemonMetrics()
+        self.metrics.watch(self.store, self.ingest)
+        self.health = health_aio.HealthServicer()
+        self.server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
+            interceptors=[AioTokenInterceptor(token)] if token is not None else None,
+        )
+        self.is_token_required = token is not None
+        self.fatal = asyncio.Event()
+        self.fatal_reason = ""
+        self._sweeper: asyncio.Task[None] | None = None
+        self._audit: asyncio.Task[None] | None = None
+        self.recovery: RecoveryReport | None = None
+
+    def on_fatal(self, reason: str) -> None:
+        """The log moved under us: stop serving; a restart rebuilds from Redis (crash-only)."""
+        log.critical("fatal: %s", reason)
+        self.fatal_reason = reason
+        self.fatal.set()
+
+    async def start(self) -> Ports:
+        self.recovery = await recover(self.store)
+        servicers = Servicers(
+            self.store, self.writer, self.ingest, self.metadata, self.metrics, self.on_fatal
+        )
+        for name, methods in servicers.handlers().items():
+            self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, methods),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
+            self.server,
+        )
+        cfg = self.config
+        address = f"{cfg.grpc_host}:{cfg.grpc_port}"
+        if self._tls is not None:
+            grpc_port = self.server.add_secure_port(address, self._tls)
+        else:
+            grpc_port = self.server.add_insecure_port(address)
+        self._warn_if_exposed()
+        metrics_port = -1 if cfg.metrics_port < 0 else self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        if cfg.unix_socket:
+            self._bind_unix_socket()
+        await self.server.start()
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+        self._audit = asyncio.create_task(self._audit_projection())
+        return Ports(grpc_port, metrics_port, cfg.unix_socket)
+
+    def _bind_unix_socket(self) -> None:
+        """Bind the unix socket owner-only (umask 0177 while grpc creates it: no other user can
+        connect in the moment before the chmod), then give it the configured mode and group.
+        grpc binds in add_insecure_port, so the process-wide umask changes for that call only."""
+        cfg = self.config
+        old_umask = os.umask(0o177)
+        try:
+            self.server.add_insecure_port(f"unix:{cfg.unix_socket}")
+        finally:
+            os.umask(old_umask)
+        gid = cfg.unix_socket_gid
+        if gid is not None:
+            os.chown(cfg.unix_socket, -1, gid)
+        os.chmod(cfg.unix_socket, cfg.unix_socket_mode)
+
+    def _warn_if_exposed(self) -> None:
+        cfg = self.config
+        plaintext = self._tls is None
+        if self.is_token_required and plaintext:
+            log.warning("bearer token over plaintext TCP on %s: anyone who can see the traffic can "
+                        "replay it; use TLS (--tls-cert-file/--tls-key-file) unless this is loopback",
+                        cfg.grpc_host)
+        if not self.is_token_required and not cfg.tls_client_ca_file and not _is_loopback(cfg.grpc_host):
+            log.warning("no authentication on %s:%d: any client that reaches it may store, read and "
+                        "evict KV blocks; set --auth-token-file or --tls-client-ca-file",
+                        cfg.grpc_host, cfg.grpc_port)
+
+    async def _audit_projection(self) -> None:
+        """After start: verify restored blocks' bytes, then the GPU-tier projection."""
+        t0 = time.perf_counter()
+        ok, failed = await self.store.verify_restored()
+        if ok or failed:
+            log.info("restored blocks verified", extra={
+                "num_verified": ok, "num_failed": failed, "seconds": time.perf_counter() - t0,
+            })
+        try:
+            await audit_gpu_projection(self.store)
+        except RedisUnavailable as exc:
+            log.warning("GPU projection audit skipped: %s", exc)
+        except Exception:
+            log.exception("GPU projection audit failed")
+
+    async def _sweep_forever(self) -> None:
+        interval = self.config.sweep_interval_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.store.resolve_quietly()
+                self.store.expire()
+                if self.store.corrupt:
+                    await self.writer.drop_corrupt()
+            except RedisUnavailable:
+                pass  # retried next round; requests meanwhile get UNAVAILABLE
+            except LogConflict as exc:
+                self.on_fatal(str(exc))
+            except Exception:
+                log.exception("sweep failed")
+
+    async def stop(self) -> None:
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(self.config.grace_s)
+        for task in (self._sweeper, self._audit):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self.metrics.close()
+        await self.redis.aclose()
+        self.store.layouts.close()
+
+
+async def create_server(config: OffloaddConfig) -> tuple[Daemon, Ports]:
+    daemon = Daemon(config)
+    try:
+        ports = await daemon.start()
+    except BaseException:
+        await daemon.redis.aclose()
+        daemon.store.layouts.close()
+        raise
+    return daemon, ports

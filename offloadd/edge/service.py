@@ -1,0 +1,277 @@
+"""Thin gRPC servicers: bytes -> proto -> domain -> proto, and domain errors -> status codes.
+
+Handlers take raw bytes and parse them here so that garbage gets INVALID_ARGUMENT with a
+message (grpc's own deserializer would answer INTERNAL). Error mapping: InvalidArgument and
+SchemaError -> INVALID_ARGUMENT; FailedPrecondition -> FAILED_PRECONDITION; NotFound ->
+NOT_FOUND; ResourceExhausted -> RESOURCE_EXHAUSTED; RedisUnavailable -> UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from kvcache.v1 import events_pb2, log_pb2, offload_pb2
+
+from events.codec_proto import batch_from_proto, record_to_proto, snapshot_to_proto
+from events.schema import SchemaError
+from offloadd import messages as m
+from offloadd.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OffloadError,
+    ResourceExhausted,
+)
+from offloadd.log.ingest import Ingest
+from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
+from offloadd.metrics import DaemonMetrics
+from offloadd.tier.registration import Registrar
+from offloadd.tier.store import HostStore
+from offloadd.tier.writes import StoreWriter
+
+log = logging.getLogger(__name__)
+
+_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (SchemaError, grpc.StatusCode.INVALID_ARGUMENT),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RedisUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (LogConflict, grpc.StatusCode.INTERNAL),
+]
+_KINDS = {0: "full_attention", 1: "full_attention", 2: "sliding_window"}
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode | None:
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code
+    return None
+
+
+def parse(raw: bytes, cls: type[Message], what: str) -> Any:
+    try:
+        return cls.FromString(raw)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise InvalidArgument(f"{what}: not a valid {cls.DESCRIPTOR.full_name}: {exc}") from exc
+
+
+class Servicers:
+    def __init__(
+        self, store: HostStore, writer: StoreWriter, ingest: Ingest, metadata: MetadataStore,
+        metrics: DaemonMetrics, on_fatal: Callable[[str], None],
+    ) -> None:
+        self.store = store
+        self.registrar = Registrar(store)
+        self.writer = writer
+        self.ingest = ingest
+        self.metadata = metadata
+        self.metrics = metrics
+        self.on_fatal = on_fatal
+
+    async def _unary(
+        self, name: str, req_cls: type[Message], raw: bytes, context: Context,
+        fn: Callable[[Any], Awaitable[Message]],
+    ) -> Message:
+        t0 = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            return await fn(parse(raw, req_cls, name))
+        except (OffloadError, SchemaError, RedisUnavailable, LogConflict) as exc:
+            code = status_of(exc) or grpc.StatusCode.UNKNOWN
+            if isinstance(exc, LogConflict):
+                self.on_fatal(str(exc))
+            await context.abort(code, f"{name}: {exc}")
+            raise  # abort raises; this is for type checkers
+        finally:
+            self.metrics.rpc_latency.labels(name, code.name).observe(time.perf_counter() - t0)
+
+    def handlers(self) -> dict[str, dict[str, grpc.RpcMethodHandler]]:
+        def unary(name: str, req: type[Message], resp: type[Message],
+                  fn: Callable[[Any], Awaitable[Message]]) -> grpc.RpcMethodHandler:
+            async def behavior(raw: bytes, context: Context) -> Message:
+                return await self._unary(name, req, raw, context, fn)
+            return grpc.unary_unary_rpc_method_handler(
+                behavior, response_serializer=resp.SerializeToString
+            )
+
+        o = offload_pb2
+        return {
+            "kvcache.v1.OffloadStore": {
+                "RegisterEngine": unary("RegisterEngine", o.RegisterEngineRequest,
+                                        o.RegisterEngineResponse, self.register_engine),
+                "Lookup": unary("Lookup", o.LookupRequest, o.LookupResponse, self.lookup),
+                "Reserve": unary("Reserve", o.ReserveRequest, o.ReserveResponse, self.reserve),
+                "Commit": unary("Commit", o.CommitRequest, o.CommitResponse, self.commit),
+                "Abort": unary("Abort", o.AbortRequest, o.AbortResponse, self.abort),
+                "Release": unary("Release", o.ReleaseRequest, o.ReleaseResponse, self.release),
+                "Stats": unary("Stats", o.StatsRequest, o.StatsResponse, self.stats),
+                "ReadBlocks": grpc.unary_stream_rpc_method_handler(
+                    self.read_blocks, response_serializer=o.BlockData.SerializeToString),
+            },
+            "kvcache.v1.EventIngest": {
+                "Publish": grpc.stream_stream_rpc_method_handler(
+                    self.publish, response_serializer=log_pb2.PublishAck.SerializeToString),
+            },
+            "kvcache.v1.EventLog": {
+                "Subscribe": grpc.unary_stream_rpc_method_handler(
+                    self.subscribe, response_serializer=events_pb2.LogRecord.SerializeToString),
+                "Snapshot": unary("Snapshot", log_pb2.SnapshotRequest, log_pb2.SnapshotResponse,
+                                  self.snapshot),
+            },
+        }
+
+    # -- OffloadStore ---------------------------------------------------------------------
+
+    async def register_engine(self, req: offload_pb2.RegisterEngineRequest) -> Message:
+        groups = []
+        for i, g in enumerate(req.groups):
+            if g.kind not in _KINDS:
+                raise InvalidArgument(f"groups[{i}].kind: unknown value {g.kind}")
+            groups.append(m.GroupSpec(g.group_idx, _KINDS[g.kind], g.sliding_window,
+                                      g.block_size, g.block_bytes, g.dtype, g.layout))
+        infos = await self.registrar.register(
+            req.engine_id, req.incarnation, req.model_namespace, groups
+        )
+        return offload_pb2.RegisterEngineResponse(
+            groups=[offload_pb2.GroupArena(
+                group_idx=a.group_idx, layout_id=a.layout_id, slot_bytes=a.slot_bytes,
+                slots_per_chunk=a.slots_per_chunk, max_slots=a.max_slots,
+                chunk_path_template=a.chunk_path_template,
+            ) for a in infos],
+            hash_algo=self.store.config.hash_algo,
+        )
+
+    async def lookup(self, req: offload_pb2.LookupRequest) -> Message:
+        queries = [m.GroupQuery(q.group_idx, tuple(q.block_hashes), q.prefix_only)
+                   for q in req.queries]
+        out = self.store.lookup(req.engine_id, queries, req.pin, req.lease_ms)
+        return offload_pb2.LookupResponse(
+            results=[offload_pb2.GroupResult(group_idx=r.group_idx, num_prefix=r.num_prefix,
+                                             slots=r.slots, generations=r.generations)
+                     for r in out.results],
+            lease_id=out.lease_id, lease_expires_unix_ms=out.lease_expires_unix_ms,
+        )
+
+    async def reserve(self, req: offload_pb2.ReserveRequest) -> Message:
+        blocks = [m.BlockToStore(b.block_hash, b.parent_block_hash or None, tuple(b.token_ids),
+                                 b.extra_keys) for b in req.blocks]
+        out = await self.writer.reserve(
+            req.engine_id, req.group_idx, blocks, req.lease_ms, req.lora_name or None
+        )
+        return offload_pb2.ReserveResponse(
+            reservation_id=out.reservation_id,
+            blocks=[offload_pb2.Reservation(status=int(s), slot=slot, generation=gen)  # type: ignore[arg-type]
+                    for (s, slot), gen in zip(out.blocks, out.generations, strict=True)],
+            lease_expires_unix_ms=out.lease_expires_unix_ms,
+        )
+
+    async def commit(self, req: offload_pb2.CommitRequest) -> Message:
+        n, offset = await self.writer.commit(req.engine_id, req.reservation_id, list(req.block_hashes))
+        return offload_pb2.CommitResponse(num_committed=n, log_offset=offset)
+
+    async def abort(self, req: offload_pb2.AbortRequest) -> Message:
+        return offload_pb2.AbortResponse(num_aborted=self.writer.abort(req.engine_id, req.reservation_id))
+
+    async def release(self, req: offload_pb2.ReleaseRequest) -> Message:
+        return offload_pb2.ReleaseResponse(num_released=self.store.release(req.engine_id, req.lease_id))
+
+    async def stats(self, req: offload_pb2.StatsRequest) -> Message:
+        s = self.store.stats()
+        return offload_pb2.StatsResponse(
+            capacity_bytes=s.capacity_bytes, used_bytes=s.used_bytes, num_blocks=s.num_blocks,
+            hits=s.hits, misses=s.misses, evictions=s.evictions, log_offset=s.log_offset,
+            num_engines=s.num_engines,
+            layouts=[offload_pb2.LayoutStats(
+                layout_id=x.layout_id, slot_bytes=x.slot_bytes, num_slots=x.num_slots,
+                num_ready=x.num_ready, num_reserved=x.num_reserved, num_pinned=x.num_pinned,
+            ) for x in s.layouts],
+        )
+
+    async def read_blocks(self, raw: bytes, context: Context) -> AsyncIterator[Message]:
+        try:
+            req = parse(raw, offload_pb2.ReadBlocksRequest, "ReadBlocks")
+            blocks = self.store.read_blocks(req.engine_id, req.group_idx, list(req.block_hashes))
+        except OffloadError as exc:
+            await context.abort(status_of(exc) or grpc.StatusCode.UNKNOWN, f"ReadBlocks: {exc}")
+            return
+        for digest, data, checksum in blocks:
+            yield offload_pb2.BlockData(block_hash=digest, data=data, checksum=checksum)
+
+    # -- EventIngest ----------------------------------------------------------------------
+
+    async def publish(self, requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[Message]:
+        async for raw in requests:
+            try:
+                msg = parse(raw, events_pb2.EventBatch, "Publish")
+            except InvalidArgument as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                return
+            yield await self._publish_one(msg, context)
+
+    async def _publish_one(self, msg: events_pb2.EventBatch, context: Context) -> Message:
+        head = {"engine_id": msg.engine_id, "incarnation": msg.incarnation, "seq": msg.seq}
+        try:
+            batch = batch_from_proto(msg)
+        except SchemaError as exc:
+            self.ingest.num_rejected += 1
+            return log_pb2.PublishAck(**head, status=log_pb2.PublishAck.STATUS_REJECTED,
+                                      message=f"malformed batch: {exc}")
+        try:
+            ack = await self.ingest.publish(batch)
+        except RedisUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"Publish: {exc}; keep the batch and resend after reconnecting")
+            raise
+        except LogConflict as exc:
+            self.on_fatal(str(exc))
+            await context.abort(grpc.StatusCode.INTERNAL, f"Publish: {exc}")
+            raise
+        if ack.status == 1 and batch.ts > 0:
+            self.metrics.ingest_lag.observe(max(0.0, time.time() - batch.ts))
+        return log_pb2.PublishAck(
+            **head, status=int(ack.status), acked_seq=ack.acked_seq,  # type: ignore[arg-type]
+            resend_from=ack.resend_from, log_offset=ack.log_offset, message=ack.message,
+        )
+
+    # -- EventLog -------------------------------------------------------------------------
+
+    async def subscribe(self, raw: bytes, context: Context) -> AsyncIterator[Message]:
+        try:
+            req = parse(raw, log_pb2.SubscribeRequest, "Subscribe")
+        except InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        start = max(1, req.from_offset)
+        while True:
+            waiter = self.metadata.next_append()  # taken before reading: no lost wake-up
+            try:
+                records = await self.metadata.read_range(start, 512)
+            except RedisUnavailable as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"Subscribe: {exc}")
+                return
+            for record in records:
+                yield record_to_proto(record)
+                start = record.offset + 1
+            if records:
+                continue
+            if not req.follow:
+                return
+            with contextlib.suppress(TimeoutError):
+                await _wait(waiter, 1.0)
+
+    async def snapshot(self, req: log_pb2.SnapshotRequest) -> Message:
+        return snapshot_to_proto(self.metadata.state.export())
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    await asyncio.wait_for(event.wait(), timeout_s)

@@ -1,0 +1,125 @@
+"""The Redis projection: current state written beside each log record, in the same MULTI/EXEC.
+
+Values are msgspec msgpack structs (array-like, compact). The projection exists so a restart
+knows slots, checksums and layouts without re-deriving them; the log stays the truth and the
+daemon checks one against the other on start (offloadd.log.recovery).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import msgspec
+
+from events.logkeys import LogKeys
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+
+class ProjectedBlock(msgspec.Struct, array_like=True, frozen=True):
+    """A committed CPU-tier block: where it is and how to re-announce it."""
+
+    slot: int
+    group_idx: int
+    checksum: int
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+    extra_keys: bytes
+    lora_name: str | None
+
+
+class LayoutRecord(msgspec.Struct, array_like=True, frozen=True):
+    """A registered KV layout: identity fields, its id, and how many chunk files it has."""
+
+    layout_id: int
+    model_namespace: str
+    group_idx: int
+    kind: str
+    sliding_window: int
+    block_size: int
+    block_bytes: int
+    dtype: str
+    layout: str
+    num_chunks: int
+    slots_per_chunk: int = 0  # fixed when the first chunk file is made; 0 = not yet
+
+    @property
+    def identity(self) -> str:
+        return layout_identity(
+            self.model_namespace, self.group_idx, self.kind, self.sliding_window,
+            self.block_size, self.block_bytes, self.dtype, self.layout,
+        )
+
+
+class EngineRecord(msgspec.Struct, array_like=True, frozen=True):
+    engine_id: str
+    incarnation: int
+    model_namespace: str
+    groups: tuple[tuple[int, int], ...]  # (group_idx, layout_id)
+
+
+def layout_identity(
+    model_namespace: str, group_idx: int, kind: str, sliding_window: int,
+    block_size: int, block_bytes: int, dtype: str, layout: str,
+) -> str:
+    return msgspec.json.encode(
+        [model_namespace, group_idx, kind, sliding_window, block_size, block_bytes, dtype, layout]
+    ).decode()
+
+
+class Pipe(Protocol):
+    """The part of a redis pipeline the projection writes through (commands are queued)."""
+
+    def hset(self, name: str, key: Any = None, value: Any = None, mapping: Any = None) -> Any: ...
+
+    def hdel(self, name: str, *keys: Any) -> Any: ...
+
+    def sadd(self, name: str, *values: Any) -> Any: ...
+
+    def srem(self, name: str, *values: Any) -> Any: ...
+
+    def delete(self, *names: str) -> Any: ...
+
+
+_enc = msgspec.msgpack.Encoder()
+_block_dec = msgspec.msgpack.Decoder(ProjectedBlock)
+_layout_dec = msgspec.msgpack.Decoder(LayoutRecord)
+_engine_dec = msgspec.msgpack.Decoder(EngineRecord)
+_pos_dec = msgspec.msgpack.Decoder(tuple[int, int])
+
+
+def encode(value: msgspec.Struct | tuple[int, int]) -> bytes:
+    return _enc.encode(value)
+
+
+def decode_block(data: bytes) -> ProjectedBlock:
+    return _block_dec.decode(data)
+
+
+def decode_layout(data: bytes) -> LayoutRecord:
+    return _layout_dec.decode(data)
+
+
+def decode_engine(data: bytes) -> EngineRecord:
+    return _engine_dec.decode(data)
+
+
+def decode_position(data: bytes) -> tuple[int, int]:
+    return _pos_dec.decode(data)
+
+
+def gpu_member(group_idx: int, block_hash: int) -> str:
+    return f"{group_idx}:{block_hash}"
+
+
+def project_gpu_events(pipe: Pipe, keys: LogKeys, engine_id: str, events: Iterable[Event]) -> None:
+    """Queue the engine GPU-tier set updates for ``events`` (already validated, GPU only)."""
+    key = keys.engine_blocks(engine_id)
+    for event in events:
+        if isinstance(event, BlockStored):
+            pipe.sadd(key, *(gpu_member(event.group_idx, h) for h in event.block_hashes))
+        elif isinstance(event, BlockRemoved):
+            if event.block_hashes:
+                pipe.srem(key, *(gpu_member(event.group_idx, h) for h in event.block_hashes))
+        elif isinstance(event, AllBlocksCleared):
+            pipe.delete(key)

@@ -1,0 +1,262 @@
+"""Warm restart: rebuild the daemon's state from Redis and the arena files it left behind.
+
+1. Replay the whole log with the one reducer (CacheState): fencing positions and every tier.
+2. Arena identity: a marker file in arena_dir must match the id stored in Redis. If it does, the
+   daemon keeps its incarnation and seq; if not (first start, or /dev/shm was wiped), it starts a
+   new incarnation, deletes stale chunk files, logs ``AllBlocksCleared(CPU)`` and forgets the
+   engine registrations (engines re-register and map the new files).
+3. Layouts and engines come back from the projection; chunk files are mapped again.
+4. Blocks: the projection (slot, checksum...) is checked against the reducer's CPU tier; blocks
+   that disagree are not served and their removal is logged. Every restored block's bytes are
+   then checked against its xxh3 checksum: in the background once serving has started, and on
+   demand by the first Lookup/ReadBlocks that would return it, so a corrupt block is never
+   served (it is dropped and its removal logged instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import glob
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+from redis.exceptions import WatchError
+
+from events.schema import AllBlocksCleared, BlockRemoved, Event, LogRecord
+from offloadd.log.metadata import Append, Persisted
+from offloadd.log.projection import Pipe, gpu_member
+from offloadd.tier.index import BlockState, SlotEntry
+from offloadd.tier.store import DAEMON_SOURCE, HostStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    log_offset: int
+    num_records: int
+    num_blocks: int
+    num_dropped: int
+    arena_reused: bool
+    daemon_incarnation: int
+    seconds: float
+    load_and_replay_seconds: float
+
+
+def arena_id_path(arena_dir: str, namespace: str) -> str:
+    return os.path.join(arena_dir, f"kvd-{namespace}.arena-id")
+
+
+async def recover(store: HostStore) -> RecoveryReport:
+    # Recovery allocates a few objects per block; with the cyclic GC on, every young
+    # collection would rescan a heap of millions. Off while rebuilding, then the rebuilt state
+    # is frozen into the permanent generation so later collections skip it too.
+    gc.disable()
+    try:
+        return await _recover(store)
+    finally:
+        gc.freeze()
+        gc.enable()
+
+
+async def _recover(store: HostStore) -> RecoveryReport:
+    t0 = time.perf_counter()
+    md, cfg = store.metadata, store.config
+    loading = asyncio.ensure_future(md.load())  # Redis reads overlap the replay below
+    num_records = 0
+    try:
+        async for records in md.iter_log():
+            for record in records:
+                md.state.apply(record)
+            num_records += len(records)
+        persisted = await loading
+    finally:
+        loading.cancel()
+    t_replay = time.perf_counter() - t0
+    md.head = md.state.offset
+    if persisted.head != md.head:
+        log.error("head key says %d but the log ends at %d; trusting the log", persisted.head, md.head)
+    for source, pos in persisted.sources.items():
+        if md.state.fence(source) != pos:
+            log.error("projection fence of %s is %s, log says %s", source, pos, md.state.fence(source))
+    marker = arena_id_path(cfg.arena_dir, cfg.namespace)
+    arena_id = persisted.daemon.get("arena_id")
+    reused = arena_id is not None and _read(marker) == arena_id
+    fence = md.state.fence(DAEMON_SOURCE)
+    if reused:
+        store.daemon_incarnation, store.daemon_seq = fence or (int(persisted.daemon["incarnation"]), 0)
+    else:
+        await _new_arena(store, persisted, marker)
+    for rec in persisted.layouts:
+        store.layouts.add(rec)
+    for eng in persisted.engines:
+        store.add_engine(eng)
+    dropped = await _restore_blocks(store, persisted) if reused else 0
+    report = RecoveryReport(
+        md.head, num_records, sum(lay.index.num_ready for lay in store.layouts.by_id.values()),
+        dropped, reused, store.daemon_incarnation, time.perf_counter() - t0, t_replay,
+    )
+    log.info("recovered %s", report)
+    return report
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _zero(path: str) -> None:
+    try:
+        with open(path, "r+b") as f:
+            f.write(bytes(os.fstat(f.fileno()).st_size))
+    except OSError as exc:
+        log.warning("could not clear old generation table %s: %s", path, exc)
+
+
+async def _new_arena(store: HostStore, persisted: Persisted, marker: str) -> None:
+    md, cfg = store.metadata, store.config
+    fence = md.state.fence(DAEMON_SOURCE)
+    old = fence[0] if fence else int(persisted.daemon.get("incarnation", "0"))
+    store.daemon_incarnation, store.daemon_seq = old + 1, 0
+    for path in glob.glob(os.path.join(cfg.arena_dir, f"kvd-{cfg.namespace}-L*-C*")):
+        if path.endswith("-Cgen"):  # an engine may still map it: nothing it names is servable
+            _zero(path)
+        os.unlink(path)
+    persisted.layouts = [msgspec.structs.replace(r, num_chunks=0) for r in persisted.layouts]
+    # Engines that mapped the old files must re-register and map the new ones: a stale mapping
+    # would copy KV bytes into an unlinked file while the daemon serves the new one.
+    persisted.engines = []
+    await md.client.delete(md.keys.engines)
+    had_blocks = any(s == DAEMON_SOURCE for s, _, _ in md.state.counts())
+    keys = [md.keys.blocks(r.layout_id) for r in persisted.layouts]
+    await md.write_registration(persisted.layouts, None)
+    if had_blocks:
+        await md.append(Append(
+            DAEMON_SOURCE, store.daemon_incarnation, 1, (AllBlocksCleared("CPU"),),
+            project=lambda pipe: pipe.delete(*keys) if keys else None,
+            apply=lambda r: setattr(store, "daemon_seq", r.source_seq),
+        ))
+    elif keys:
+        await md.client.delete(*keys)
+    new_id = uuid.uuid4().hex
+    os.makedirs(cfg.arena_dir, exist_ok=True)
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, cfg.file_mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(new_id)
+    await md.set_daemon_fields({"arena_id": new_id, "incarnation": str(store.daemon_incarnation)})
+    log.warning("arena not found or not ours: new daemon incarnation %d", store.daemon_incarnation)
+
+
+async def _restore_blocks(store: HostStore, persisted: Persisted) -> int:
+    """Insert the restorable blocks (unverified); log the removal of any the log announced but
+    the projection cannot place."""
+    state = store.metadata.state
+    announced: dict[int, set[int]] = {}  # group -> wire hashes the reducer says are resident
+    for src, medium, group in state.counts():
+        if src == DAEMON_SOURCE and medium == "CPU":
+            announced[group] = set(state.blocks(DAEMON_SOURCE, "CPU", group))
+    served: dict[int, set[int]] = {}
+    bad: dict[int, list[bytes]] = {}  # layout -> digests in the projection to delete
+    for layout in store.layouts.by_id.values():
+        group = layout.record.group_idx
+        expected = announced.get(group, set())
+        ok_here = served.setdefault(group, set())
+        num_slots = layout.index.num_slots
+        restored: dict[bytes, SlotEntry] = {}
+        unverified = store.unverified
+        layout_id = layout.layout_id
+        used: set[int] = set()  # two rows claiming one slot: serve neither
+        for digest, pb in persisted.blocks.get(layout_id, {}).items():
+            wire = int.from_bytes(digest[-8:], "big")  # events.hashing.to_wire, inlined
+            slot = pb.slot
+            if wire not in expected or slot in used or not 0 <= slot < num_slots:
+                bad.setdefault(layout_id, []).append(digest)
+                continue
+            # Bytes are checked after serving starts (HostStore.verify_restored), and before
+            # any Lookup or ReadBlocks returns the block: unverified blocks are never served.
+            restored[digest] = SlotEntry(
+                slot, BlockState.READY, pb.parent, pb.token_ids, pb.extra_keys, pb.lora_name,
+                "", pb.checksum, 0, False, store.next_generation(),
+            )
+            unverified.append((layout_id, digest))
+            ok_here.add(wire)
+            used.add(slot)
+        layout.index.insert_ready(restored)
+        layout.index.rebuild_free()
+    events: list[Event] = []
+    for group, hashes in sorted(announced.items()):
+        gone = hashes - served.get(group, set())
+        if gone:
+            events.append(BlockRemoved(tuple(sorted(gone)), "CPU", group))
+    dropped = sum(len(e.block_hashes) for e in events if isinstance(e, BlockRemoved))
+    if events or bad:
+        await _log_drops(store, events, bad)
+    if dropped:
+        log.error("dropped %d blocks that failed verification", dropped)
+    return dropped
+
+
+async def _log_drops(store: HostStore, events: list[Event], bad: dict[int, list[bytes]]) -> None:
+    md = store.metadata
+    keys = {md.keys.blocks(layout_id): digests for layout_id, digests in bad.items()}
+
+    def project(pipe: Pipe) -> None:
+        for key, digests in keys.items():
+            pipe.hdel(key, *digests)
+
+    def apply(record: LogRecord) -> None:
+        store.daemon_seq = record.source_seq
+
+    if not events:  # projection rows the log never announced: nothing to tell readers
+        for key, digests in keys.items():
+            await md.client.hdel(key, *digests)
+        return
+    await md.append(Append(
+        DAEMON_SOURCE, store.daemon_incarnation, store.daemon_seq + 1, tuple(events), project, apply,
+    ))
+
+
+async def audit_gpu_projection(store: HostStore) -> int:
+    """The engines' GPU-tier sets in the projection must equal the reducer's; repair if not.
+
+    Run in the background after serving starts: the daemon never reads these sets itself, they
+    are for operators and tools. Returns how many sets were rewritten.
+    """
+    md = store.metadata
+    state = md.state
+    repaired = 0
+    for source in state.sources():
+        if source == DAEMON_SOURCE:
+            continue
+        offset = md.head
+        want = {
+            gpu_member(g, h)
+            for s, m, g in state.counts() if s == source and m == "GPU"
+            for h in state.blocks(source, "GPU", g)
+        }
+        if await md.engine_gpu_set(source) == want:
+            continue
+        log.error("GPU projection of %s disagrees with the log; rewriting it", source)
+        key = md.keys.engine_blocks(source)
+        try:
+            async with md.client.pipeline(transaction=True) as pipe:
+                await pipe.watch(md.keys.head)  # only if no record was appended meanwhile
+                if int(await pipe.get(md.keys.head) or 0) != offset:
+                    continue
+                pipe.multi()
+                pipe.delete(key)
+                if want:
+                    pipe.sadd(key, *want)
+                await pipe.execute()
+        except WatchError:
+            continue
+        repaired += 1
+    return repaired

@@ -1,0 +1,2 @@
+"""The host tier: one owner (HostStore) of layouts, slot indexes, leases, eviction and the logged
+writes (Reserve, Commit, Abort). Pure bookkeeping apart from the writes, which go through the log."""

@@ -1,0 +1,196 @@
+"""The CPU tier of one layout in memory: digest -> slot entry, free slots, eviction order.
+
+Pure bookkeeping, no I/O. The three collections (``entries``, ``free``, the policy's evictable
+set) change together here and nowhere else. States: RESERVED (being copied in, invisible to
+Lookup), READY (committed, readable), EVICTING (chosen as a victim, removal being logged).
+Only READY blocks with no pins are evictable.
+
+Every transition also keeps ``published[slot]`` (the arena's shared generation table, when
+given) equal to the generation of the READY, verified block the slot serves, else 0: set on
+commit, verification and a reverted eviction; cleared on choosing a victim, removal and
+before a slot is handed to a writer.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+from offloadd.tier.eviction import ArcPolicy, LruPolicy
+
+
+class GenerationTable(Protocol):
+    """Where each slot's servable generation is published (offloadd.arena.SlotGenerations)."""
+
+    def __setitem__(self, slot: int, generation: int) -> None: ...
+
+
+class BlockState(enum.Enum):
+    RESERVED = "reserved"
+    READY = "ready"
+    EVICTING = "evicting"
+
+
+@dataclass(slots=True)
+class SlotEntry:
+    slot: int
+    state: BlockState
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+    extra_keys: bytes  # canonical CBOR as the engine sent it; b"" for none
+    lora_name: str | None
+    owner: str = ""  # the reservation id while RESERVED
+    checksum: int = 0
+    pins: int = 0
+    verified: bool = True  # False after a restart until its bytes were checked against checksum
+    generation: int = 0  # this assignment of the slot (HostStore.next_generation); 0: none
+
+
+class LayoutIndex:
+    def __init__(self, policy: LruPolicy | ArcPolicy, published: GenerationTable | None = None) -> None:
+        self.published = published
+        self.entries: dict[bytes, SlotEntry] = {}
+        self.free: list[int] = []  # popped from the end: lowest slot first
+        self.num_slots = 0
+        self.policy = policy
+        self.num_ready = 0
+        self.num_reserved = 0
+        self.num_pinned = 0
+
+    # -- capacity -------------------------------------------------------------------------
+
+    def grow(self, n: int) -> None:
+        """``n`` new slots (a new chunk) become free."""
+        new = range(self.num_slots, self.num_slots + n)
+        self.free[:0] = reversed(new)  # below the existing free slots: used after them
+        self.num_slots += n
+
+    def take_free_slot(self) -> int | None:
+        return self.free.pop() if self.free else None
+
+    # -- queries --------------------------------------------------------------------------
+
+    def ready(self, digest: bytes) -> SlotEntry | None:
+        entry = self.entries.get(digest)
+        return entry if entry is not None and entry.state is BlockState.READY else None
+
+    # -- transitions ----------------------------------------------------------------------
+
+    def _publish(self, entry: SlotEntry) -> None:
+        if self.published is not None:
+            ok = entry.state is BlockState.READY and entry.verified
+            self.published[entry.slot] = entry.generation if ok else 0
+
+    def _retract(self, slot: int) -> None:
+        if self.published is not None:
+            self.published[slot] = 0
+
+    def reserve(self, digest: bytes, slot: int, entry_fields: SlotEntry) -> None:
+        assert digest not in self.entries, "reserve of a present block"
+        self._retract(slot)  # before anyone may write the slot
+        entry_fields.slot = slot
+        entry_fields.state = BlockState.RESERVED
+        self.entries[digest] = entry_fields
+        self.num_reserved += 1
+
+    def unreserve(self, digest: bytes) -> None:
+        """Abort or lease expiry: the slot is free again, nothing was visible."""
+        entry = self.entries.pop(digest)
+        assert entry.state is BlockState.RESERVED
+        self.num_reserved -= 1
+        self._retract(entry.slot)
+        self.free.append(entry.slot)
+
+    def commit(self, digest: bytes, checksum: int) -> None:
+        entry = self.entries[digest]
+        assert entry.state is BlockState.RESERVED
+        entry.state = BlockState.READY
+        entry.checksum = checksum
+        entry.owner = ""
+        self.num_reserved -= 1
+        self.num_ready += 1
+        self.policy.add(digest)
+        self._publish(entry)
+
+    def insert_ready(self, entries: dict[bytes, SlotEntry]) -> None:
+        """Recovery: committed blocks at known slots, READY (call :meth:`rebuild_free` after)."""
+        assert all(e.state is BlockState.READY for e in entries.values())
+        self.entries.update(entries)
+        self.num_ready += len(entries)
+        self.policy.add_many(list(entries))
+        for entry in entries.values():
+            self._publish(entry)
+
+    def mark_verified(self, digest: bytes) -> None:
+        """Its bytes matched its checksum: a READY block becomes servable without asking."""
+        entry = self.entries[digest]
+        entry.verified = True
+        self._publish(entry)
+
+    def rebuild_free(self) -> None:
+        used = {e.slot for e in self.entries.values()}
+        self.free = [s for s in reversed(range(self.num_slots)) if s not in used]
+
+    def pin(self, digest: bytes) -> None:
+        entry = self.entries[digest]
+        assert entry.state is BlockState.READY
+        if entry.pins == 0:
+            self.policy.remove(digest)
+            self.num_pinned += 1
+        entry.pins += 1
+
+    def unpin(self, digest: bytes) -> None:
+        entry = self.entries.get(digest)
+        if entry is None or entry.pins == 0:
+            return
+        entry.pins -= 1
+        if entry.pins == 0:
+            self.num_pinned -= 1
+            if entry.state is BlockState.READY:
+                self.policy.add(digest)
+
+    def choose_victims(self, n: int) -> list[bytes]:
+        """Mark up to ``n`` evictable blocks EVICTING (invisible, unpinnable) and return them."""
+        victims = self.policy.victims(n)
+        for digest in victims:
+            self.policy.remove(digest)
+            entry = self.entries[digest]
+            entry.state = BlockState.EVICTING
+            self._retract(entry.slot)
+            self.num_ready -= 1
+        return victims
+
+    def mark_evicting(self, digest: bytes) -> None:
+        """Take one READY, unpinned block out of service ahead of its logged removal."""
+        entry = self.entries[digest]
+        assert entry.state is BlockState.READY and entry.pins == 0
+        self.policy.remove(digest)
+        entry.state = BlockState.EVICTING
+        self._retract(entry.slot)
+        self.num_ready -= 1
+
+    def restore(self, digests: list[bytes]) -> None:
+        """The removal of these victims was not logged: they are READY again."""
+        for digest in digests:
+            entry = self.entries[digest]
+            assert entry.state is BlockState.EVICTING
+            entry.state = BlockState.READY
+            self.num_ready += 1
+            self.policy.add(digest)
+            self._publish(entry)
+
+    def remove(self, digest: bytes) -> SlotEntry:
+        """The block left the tier (its removal is logged): free its slot."""
+        entry = self.entries.pop(digest)
+        if entry.state is BlockState.READY:
+            self.num_ready -= 1
+            self.policy.remove(digest)
+        elif entry.state is BlockState.RESERVED:
+            self.num_reserved -= 1
+        if entry.pins:
+            self.num_pinned -= 1
+        self.policy.evicted(digest)
+        self._retract(entry.slot)
+        self.free.append(entry.slot)
+        return entry

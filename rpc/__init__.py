@@ -1,0 +1,3 @@
+"""Plumbing shared by every kvoffload process that speaks gRPC: TLS material and channels
+(:mod:`rpc.tls`), bearer-token auth (:mod:`rpc.auth`) and structured, secret-masking logs
+(:mod:`rpc.logs`). Imports nothing of the processes."""

@@ -1,0 +1,291 @@
+"""kv-bridge as a process: restarts keep the sequence, snapshots, per-source mode, Redis outages."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import zmq
+
+from bridge.main import main as bridge_main
+from events.logkeys import LogKeys
+from events.schema import LogRecord
+from events.state import CacheState
+from events.subscriber import KvEventSubscriber
+from tests.support.bridge_proc import BridgeProcess, FleetSimulator, LogWriter
+from tests.support.redis_proc import RedisProcess
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+def _full_state(records: list[LogRecord]) -> CacheState:
+    state = CacheState()
+    for r in records:
+        state.apply(r)
+    return state
+
+
+def _collect(bridge: BridgeProcess, topic: str = "kv-events") -> KvEventSubscriber:
+    return KvEventSubscriber(bridge.pub, bridge.replay, topic)
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "sigkill"])
+def test_restarted_bridge_continues_the_sequence(
+    redis_url: str, client: redis.Redis, tmp_path: Path, kill: bool
+) -> None:
+    writer, sim = LogWriter(client), FleetSimulator(["engine-a", "engine-b"], seed=4)
+    bridge = BridgeProcess(redis_url, tmp_path)
+    bridge.start()
+    seen: list[int] = []
+    sub = _collect(bridge)
+    sub.on_batch(lambda seq, _batch: seen.append(seq))
+    try:
+        assert sub.bootstrap() == 0
+        records = sim.write(writer, 21)
+        assert sub.run_until(lambda s: s.next_seq == 21)
+        bridge.stop(kill=kill)
+        records += sim.write(writer, 7)  # written while the bridge is down
+        bridge.start()
+        for _ in range(10):  # the SUB reconnects meanwhile; the first message it gets shows the gap
+            records += sim.write(writer, 1)
+            sub.poll(50)  # a SUB re-sends its subscription only when its owner touches it
+        assert sub.run_until(lambda s: s.next_seq == 38), bridge.output()
+        # Every seq exactly once and in order, whether it came live or by gap-filling replay.
+        assert seen == list(range(38))
+        assert sub.view() == _full_state(records).view()
+        if not kill:
+            # A graceful stop saved its exact position: nothing was published twice.
+            assert sub.stats.duplicates == 0
+    finally:
+        sub.close()
+        bridge.stop()
+    assert int(client.hget(LogKeys().bridge("kv-bridge"), "offset")) == 38
+    assert int(client.hget(LogKeys().bridge("kv-bridge"), "seq:kv-events")) == 38
+
+
+def test_snapshot_then_live_equals_full_replay(
+    redis_url: str, client: redis.Redis, tmp_path: Path
+) -> None:
+    writer, sim = LogWriter(client), FleetSimulator(["engine-a", "engine-b", "offloadd"], seed=5)
+    records = sim.write(writer, 150)
+    bridge = BridgeProcess(redis_url, tmp_path)
+    bridge.start()
+    stop = threading.Event()
+    more: list[LogRecord] = []
+
+    def keep_writing() -> None:
+        while not stop.is_set() and len(more) < 200:
+            more.extend(sim.write(writer, 1))
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=keep_writing)
+    thread.start()
+    try:
+        with _collect(bridge) as snap_sub, _collect(bridge) as replay_sub:
+            time.sleep(0.05)
+            next_seq = snap_sub.bootstrap()  # while records keep arriving
+            assert next_seq >= 150
+            replay_sub.replay_from(0)
+            thread.join()
+            total = len(records) + len(more)
+            assert snap_sub.run_until(lambda s: s.next_seq == total, 10)
+            assert replay_sub.run_until(lambda s: s.next_seq == total, 10)
+            expected = _full_state(records + more)
+            assert snap_sub.view() == expected.view()
+            assert replay_sub.view() == expected.view()
+            assert sorted(snap_sub.state.sources()) == ["engine-a", "engine-b", "offloadd"]
+    finally:
+        stop.set()
+        thread.join()
+        bridge.stop()
+
+
+def test_per_source_mode_numbers_one_engines_records(
+    redis_url: str, client: redis.Redis, tmp_path: Path
+) -> None:
+    writer, sim = LogWriter(client), FleetSimulator(["engine-a", "engine-b"], seed=6)
+    records = sim.write(writer, 60)
+    mine = [r for r in records if r.source == "engine-b"]
+    bridge = BridgeProcess(
+        redis_url,
+        tmp_path,
+        "--source",
+        "engine-b",
+        "--topic",
+        "kv@engine-b",
+        "--start",
+        "beginning",
+        "--name",
+        "pod-b",
+    )
+    bridge.start()
+    try:
+        with KvEventSubscriber(bridge.pub, bridge.replay, "kv@engine-b") as sub:
+            assert sub.replay_from(0) == len(mine)
+            assert sub.next_seq == len(mine)
+            assert sub.view() == _full_state(mine).view()
+            assert sub.state.sources() == ["engine-b"]  # from the map layout's source key
+        bridge.stop()
+        more = sim.write(writer, 30)
+        bridge.start()
+        mine += [r for r in more if r.source == "engine-b"]
+        with KvEventSubscriber(bridge.pub, bridge.replay, "kv@engine-b") as sub:
+            assert sub.bootstrap() == len(mine)
+            assert sub.view() == _full_state(mine).view()
+    finally:
+        bridge.stop()
+
+
+def test_per_source_topics_on_one_socket(
+    redis_url: str, client: redis.Redis, tmp_path: Path
+) -> None:
+    writer, sim = LogWriter(client), FleetSimulator(["a", "b"], seed=7)
+    records = sim.write(writer, 40)
+    bridge = BridgeProcess(
+        redis_url, tmp_path, "--per-source", "--topic", "kv@{source}", "--start", "beginning"
+    )
+    bridge.start()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(bridge.replay)
+        for source in ("a", "b"):
+            dealer.send_multipart([b"", b"\0" * 8, f"kv@{source}".encode()])
+            seqs = []
+            while True:
+                assert dealer.poll(5000)
+                frames = dealer.recv_multipart()
+                if frames[3] == b"":
+                    break
+                assert frames[1] == f"kv@{source}".encode()
+                seqs.append(int.from_bytes(frames[2], "big"))
+            assert seqs == list(range(sum(r.source == source for r in records)))
+        # A request without a topic is ambiguous with several streams: ignored.
+        dealer.send_multipart([b"", b"\0" * 8])
+        assert not dealer.poll(300)
+    finally:
+        ctx.destroy(linger=0)
+        bridge.stop()
+
+
+def test_redis_outage_is_reported_and_survived(own_redis: RedisProcess, tmp_path: Path) -> None:
+    client = redis.Redis.from_url(own_redis.url)
+    writer, sim = LogWriter(client), FleetSimulator(["engine-a"], seed=8)
+    records = sim.write(writer, 5)
+    bridge = BridgeProcess(own_redis.url, tmp_path, "--start", "beginning")
+    bridge.start()
+    try:
+        own_redis.stop()
+        deadline = time.monotonic() + 10
+        while bridge.health()[0] == 200:
+            assert time.monotonic() < deadline, "health never reported the outage"
+            time.sleep(0.1)
+        code, info = bridge.health()
+        assert (code, info["redis"]) == (503, "down")
+        assert bridge.proc is not None and bridge.proc.poll() is None
+        own_redis.start()
+        bridge.wait_healthy(15)
+        records += sim.write(writer, 5)
+        with _collect(bridge) as sub:
+            sub.replay_from(0)  # what the bridge has published so far; the rest comes live
+            assert sub.run_until(lambda s: s.next_seq == 10)
+            assert sub.view() == _full_state(records).view()
+        assert "kvbridge_redis_errors_total" in bridge.metrics()
+    finally:
+        client.close()
+        bridge.stop()
+
+
+def test_bad_configuration_is_refused_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bridge_main(["--per-source", "--topic", "plain"]) == 2
+    assert "kv-bridge: error: --per-source needs a topic template" in capsys.readouterr().err
+    assert bridge_main(["--namespace", "a:b"]) == 2
+    assert "namespace must be non-empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        bridge_main(["--layout", "json"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'json'" in capsys.readouterr().err
+
+
+def test_undecodable_and_empty_records_take_no_seq(
+    redis_url: str, client: redis.Redis, tmp_path: Path
+) -> None:
+    writer, sim = LogWriter(client), FleetSimulator(["engine-a"], seed=16)
+    good = sim.write(writer, 3)
+    writer.offset += 1  # offset 4: an entry a buggy writer left behind
+    client.xadd(LogKeys().log, {b"r": b"\x01not a record"}, id="4-0")
+    good += sim.write(writer, 2)
+    sim.seqs["engine-a"] += 1
+    writer.append("engine-a", [], source_seq=sim.seqs["engine-a"])  # offset 7: no events
+    good += sim.write(writer, 2)
+    bridge = BridgeProcess(redis_url, tmp_path, "--start", "beginning")
+    bridge.start()
+    try:
+        with _collect(bridge) as sub:
+            assert sub.bootstrap() == 7  # seqs 0..6 for offsets 1,2,3,5,6,8,9
+            assert sub.view() == _full_state(good).view()
+        with _collect(bridge) as sub:
+            seen: list[int] = []
+            sub.on_batch(lambda seq, _b: seen.append(seq))
+            assert sub.replay_from(0) == 7
+            assert seen == list(range(7))
+            assert sub.view() == _full_state(good).view()
+        # The bad entry itself, and the reducer's log_gap where it should have been.
+        assert "kvbridge_state_violations_total 2.0" in bridge.metrics()
+        assert "log entry 4 cannot be decoded" in bridge.output()
+        assert "log record 5 from engine-a: log_gap (expected offset 4)" in bridge.output()
+    finally:
+        bridge.stop()
+
+
+def test_bridge_started_before_redis_waits_for_it(tmp_path: Path) -> None:
+    server = RedisProcess(tmp_path / "late-redis")  # not started yet
+    bridge = BridgeProcess(server.url, tmp_path / "bridge")
+    bridge.start(wait_healthy=False)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                code, info = bridge.health()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, bridge.output()
+                time.sleep(0.05)
+        assert (code, info["redis"], info["ready"]) == (503, "down", False)
+        server.start()
+        bridge.wait_healthy(15)
+        client = redis.Redis.from_url(server.url)
+        records = FleetSimulator(["engine-a"], seed=18).write(LogWriter(client), 4)
+        client.close()
+        with _collect(bridge) as sub:
+            sub.replay_from(0)
+            assert sub.run_until(lambda s: s.next_seq == 4)
+            assert sub.view() == _full_state(records).view()
+        assert "redis unavailable" in bridge.output()
+    finally:
+        bridge.stop()
+        server.stop()
+
+
+def test_port_in_use_is_a_clean_error(tmp_path: Path, redis_url: str) -> None:
+    first = BridgeProcess(redis_url, tmp_path / "one")
+    first.start()
+    try:
+        second = BridgeProcess(redis_url, tmp_path / "two")
+        second.pub_port = first.pub_port
+        second.start(wait_healthy=False)
+        assert second.proc is not None
+        assert second.proc.wait(timeout=20) == 2
+        assert "kv-bridge: error: cannot bind: Address already in use" in second.output()
+        assert "Traceback" not in second.output()
+    finally:
+        first.stop()

@@ -1,0 +1,45 @@
+"""LazyState: the bridge's state applied behind publishing, bounded by max_pending."""
+
+from __future__ import annotations
+
+from bridge.metrics import BridgeMetrics
+from bridge.state import LazyState
+from events.records import encode_record
+from events.schema import BlockStored, LogRecord
+from events.state import CacheState
+
+
+def _records(n: int) -> list[LogRecord]:
+    return [
+        LogRecord(i, "e1", 1, i, 0.0, (BlockStored((i,), i - 1 if i > 1 else None, (i,), 1, "GPU"),))
+        for i in range(1, n + 1)
+    ]
+
+
+def test_past_max_pending_each_new_record_applies_the_oldest() -> None:
+    metrics = BridgeMetrics()
+    lazy = LazyState(metrics, max_pending=3)
+    records = _records(10)
+    for n, r in enumerate(records, start=1):
+        lazy.add((r.offset, encode_record(r)))
+        assert lazy.pending == min(n, 3)
+    assert lazy.catch_up(limit=2) == 2 and lazy.pending == 1
+    assert metrics.registry.get_sample_value("kvbridge_pending_apply") == 1
+    want = CacheState()
+    for r in records:
+        want.apply(r)
+    assert lazy.export() == want.export() and lazy.pending == 0
+
+
+def test_max_pending_zero_applies_inline_and_bad_entries_count_as_violations() -> None:
+    metrics = BridgeMetrics()
+    lazy = LazyState(metrics, max_pending=0)
+    r1 = _records(1)[0]
+    lazy.add((1, encode_record(r1)))
+    lazy.add((2, b"\x01not a record"))
+    lazy.add((3, encode_record(LogRecord(3, "e1", 1, 3, 0.0, (BlockStored((3,), 1, (3,), 1, "GPU"),)))))
+    assert lazy.pending == 0
+    # The undecodable entry, then the log gap and the seq gap it leaves behind.
+    assert metrics.registry.get_sample_value("kvbridge_state_violations_total") == 3
+    snap = lazy.export()
+    assert snap.offset == 3 and [e.block_hashes for e in snap.sources[0].events] == [(1, 3)]

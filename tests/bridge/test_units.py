@@ -1,0 +1,157 @@
+"""The bridge's pieces on their own: seq index, request frames, log reader, saved position."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from bridge.config import BridgeConfig, config_from_args
+from bridge.position import PositionStore, SavedPosition
+from bridge.seqindex import SeqIndex
+from bridge.transcode import batch_for, takes_seq, transcode_record
+from events.codec_vllm import encode_batch
+from events.logkeys import LogKeys
+from events.logreader import LogReader, LogUnavailable
+from events.records import RECORD_FIELD, encode_record
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, LogRecord, SchemaError
+from events.wire_frames import END_SEQ, BadRequest, ReplayRequest, parse_request, seq_bytes
+from tests.support.bridge_proc import FleetSimulator, LogWriter
+from tests.support.redis_proc import RedisProcess
+
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
+
+
+def test_seq_index_maps_runs_of_offsets() -> None:
+    index = SeqIndex()
+    for offset in (1, 2, 3, 7, 8, 12):
+        index.append(offset)
+    assert [index.offset_of(s) for s in range(6)] == [1, 2, 3, 7, 8, 12]
+    assert (index.next_seq, index.last_offset, len(index)) == (6, 12, 6)
+    assert [index.count_through(o) for o in (0, 1, 3, 5, 7, 11, 12, 99)] == [0, 1, 3, 3, 4, 5, 6, 6]
+    index.rebase(100)
+    assert (index.base_seq, index.next_seq, index.offset_of(103)) == (100, 106, 7)
+    with pytest.raises(ValueError, match="seq 99 is not in"):
+        index.offset_of(99)
+    with pytest.raises(ValueError, match="offsets must grow"):
+        index.append(12)
+
+
+def test_mixed_stream_is_one_run() -> None:
+    index = SeqIndex()
+    for offset in range(1, 100_001):
+        index.append(offset)
+    assert index._run_seqs == [0]
+    assert index.offset_of(54_321) == 54_322
+
+
+def test_parse_request() -> None:
+    assert parse_request([b"id", b"", seq_bytes(7)]) == ReplayRequest(b"id", 7)
+    assert parse_request([b"id", b"", b"snapshot"]) == ReplayRequest(b"id", None)
+    assert parse_request([b"id", b"", seq_bytes(0), b"kv@a"]) == ReplayRequest(b"id", 0, b"kv@a")
+    for frames, message in [
+        ([b"id", seq_bytes(1)], "expected 3 or 4 frames, got 2"),
+        ([b"id", b"x", seq_bytes(1)], "expected an empty delimiter frame"),
+        ([b"id", b"", b"abc"], "start_seq must be 8 bytes, got 3"),
+        ([b"id", b"", END_SEQ], "start_seq is the end marker"),
+        ([b"id", b"", b"", b"", b""], "expected 3 or 4 frames, got 5"),
+    ]:
+        with pytest.raises(BadRequest, match=message):
+            parse_request(frames)
+
+
+def test_log_reader_ranges_poll_and_head(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    reader = LogReader(client, LogKeys(), TRANSIENT)
+    assert (reader.head(), reader.first_offset(), reader.poll(0, 10)) == (0, 0, [])
+    records = FleetSimulator(["a", "b"], seed=9).write(LogWriter(client), 25)
+    assert reader.head() == 25 and reader.first_offset() == 1
+    assert reader.read_range(5, 9) == records[4:9]
+    assert reader.read_range(20, None, count=3) == records[19:22]
+    assert list(reader.iter_range(1, None, chunk=7)) == records
+    assert list(reader.iter_range(24, 30)) == records[23:]
+    assert reader.poll(23, 10) == records[23:]
+    assert reader.poll(25, 10) == []
+    follow = reader.follow(25, block_ms=10)  # from offset 25 on
+    assert next(follow) == records[24]
+    client.delete(LogKeys().head)  # a log without the head key: the last entry decides
+    assert reader.head() == 25
+    client.xadd(LogKeys().log, {b"x": b"1"}, id="26-0")
+    with pytest.raises(SchemaError, match="no field b'r'"):
+        reader.read_range(26)
+    client.xadd(LogKeys().log, {RECORD_FIELD: b"\x01\x02"}, id="27-0")
+    with pytest.raises(SchemaError, match="log record"):
+        reader.read_range(27)
+    client.close()
+
+
+def test_log_reader_reports_redis_down(own_redis: RedisProcess) -> None:
+    client = redis.Redis.from_url(own_redis.url, socket_connect_timeout=0.5)
+    reader = LogReader(client, LogKeys(), TRANSIENT)
+    own_redis.stop()
+    with pytest.raises(LogUnavailable, match="redis unavailable"):
+        reader.head()
+    own_redis.start()
+    assert reader.head() == 0
+    client.close()
+
+
+def test_position_store_round_trip(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    store = PositionStore(client, LogKeys().bridge("b1"), TRANSIENT)
+    assert store.load() is None
+    store.save(SavedPosition(42, {"kv-events": 40, "kv@a": 7}))
+    assert store.load() == SavedPosition(42, {"kv-events": 40, "kv@a": 7})
+    client.hset(LogKeys().bridge("b1"), "offset", "junk")
+    assert store.load() is None
+    client.close()
+
+
+def test_config_from_flags_and_env() -> None:
+    env = {"REDIS_URL": "redis://r:1/0", "KVB_TOPIC": "test", "KVB_HWM": "5", "KVB_PER_SOURCE": ""}
+    cfg = config_from_args(["--layout", "legacy", "--metrics-port", "0"], env)
+    assert cfg == BridgeConfig(redis_url="redis://r:1/0", topic="test", hwm=5, layout="legacy",
+                               metrics_port=0)
+    cfg = config_from_args(["--per-source", "--topic", "kv@{source}"], {})
+    assert cfg.topic_for("e1") == "kv@e1"
+    with pytest.raises(ValueError, match="choose either --source or --per-source"):
+        BridgeConfig(source="a", per_source=True, topic="kv@{source}")
+    with pytest.raises(ValueError, match=r"a topic with \{source\} needs --per-source"):
+        BridgeConfig(topic="kv@{source}")
+
+
+def _special_records() -> list[LogRecord]:
+    return [
+        LogRecord(1, "x", 1, 1, 1.5, (
+            BlockStored((1, 2), 5, (1, 2, 3, 4), 2, "CPU", group_idx=1,
+                        kv_cache_spec_kind="sliding_window", sliding_window=128, lora_name="l",
+                        extra_keys=(("l", 3), None)),
+            AllBlocksCleared("GPU"), AllBlocksCleared(), BlockRemoved((3,), "GPU", 2),
+        )),
+        LogRecord(2, "y", 1, 1, 2.5, ()),
+        LogRecord(3, "z", 2, 7, 3.5, (BlockStored((2**64 - 1,), 0, (9,), 1, "GPU"),)),
+    ]
+
+
+def test_transcoder_matches_the_codec_byte_for_byte() -> None:
+    sim = FleetSimulator(["a", "b"], seed=10)
+    records = [
+        LogRecord(i + 1, src, 1, seq, 1000.0 + i, tuple(ev))
+        for i, (src, ev, seq) in enumerate(sim.records(300))
+    ] + _special_records()
+    for r in records:
+        got = transcode_record(encode_record(r))
+        assert got.payload == encode_batch(r.events, r.ts, source=r.source), r
+        assert (got.offset, got.source, got.num_events) == (r.offset, r.source, len(r.events))
+        legacy = batch_for(encode_record(r), "legacy")
+        assert legacy is not None
+        assert legacy.payload == encode_batch(r.events, r.ts, layout="legacy")
+
+
+def test_unreadable_records_take_no_seq() -> None:
+    assert batch_for(b"\x01garbage", "map") is None
+    assert batch_for(b"\x01garbage", "legacy") is None
+    assert not takes_seq(None, None)
+    empty = batch_for(encode_record(_special_records()[1]), "map")
+    assert empty is not None and not takes_seq(empty, None)
+    full = batch_for(encode_record(_special_records()[2]), "map")
+    assert takes_seq(full, None) and takes_seq(full, "z") and not takes_seq(full, "x")
