@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from bridge.errors import BridgeConfigError
 from events.logkeys import LogKeys
 
 Layout = Literal["map", "legacy"]
@@ -48,21 +49,24 @@ class BridgeConfig:
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
-        LogKeys(self.namespace)  # validates the namespace
+        try:
+            LogKeys(self.namespace)  # validates the namespace
+        except ValueError as exc:
+            raise BridgeConfigError(str(exc)) from None
         if self.layout not in ("map", "legacy"):
-            raise ValueError(f"layout must be 'map' or 'legacy', got {self.layout!r}")
+            raise BridgeConfigError(f"layout must be 'map' or 'legacy', got {self.layout!r}")
         if self.start not in ("resume", "head", "beginning"):
-            raise ValueError(f"start must be resume, head or beginning, got {self.start!r}")
+            raise BridgeConfigError(f"start must be resume, head or beginning, got {self.start!r}")
         if self.per_source and self.source is not None:
-            raise ValueError("choose either --source or --per-source, not both")
+            raise BridgeConfigError("choose either --source or --per-source, not both")
         if self.per_source and "{source}" not in self.topic:
-            raise ValueError(f"--per-source needs a topic template with {{source}}, got {self.topic!r}")
+            raise BridgeConfigError(f"--per-source needs a topic template with {{source}}, got {self.topic!r}")
         if not self.per_source and "{source}" in self.topic:
-            raise ValueError("a topic with {source} needs --per-source")
+            raise BridgeConfigError("a topic with {source} needs --per-source")
         if min(self.hwm, self.metrics_port, self.max_pending) < 0:
-            raise ValueError("hwm, metrics_port and max_pending must be >= 0")
+            raise BridgeConfigError("hwm, metrics_port and max_pending must be >= 0")
         if self.read_chunk < 1 or self.replay_chunk < 1:
-            raise ValueError("chunk sizes must be >= 1")
+            raise BridgeConfigError("chunk sizes must be >= 1")
 
     @property
     def keys(self) -> LogKeys:
@@ -117,7 +121,8 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: Sequence[str], env: Mapping[str, str]) -> BridgeConfig:
-    """Build the config; argparse exits 2 with a message on bad flags, ValueError on bad values."""
+    """Build the config; argparse exits 2 with a message on bad flags; BridgeConfigError (or
+    ValueError from a numeric KVB_* value) on bad values."""
     a = _parser(env).parse_args(list(argv))
     return BridgeConfig(
         redis_url=a.redis_url, namespace=a.namespace, name=a.name, pub_endpoint=a.pub_endpoint,

@@ -18,6 +18,7 @@ from typing import Protocol
 import zmq
 
 from bridge.config import BridgeConfig
+from bridge.errors import PeerGone
 from bridge.metrics import BridgeMetrics
 from bridge.transcode import batch_for, takes_seq
 from events.codec_vllm import encode_batch
@@ -52,10 +53,6 @@ class ReplaySource(Protocol):
     def replay_plan(self, topic: bytes | None, start_seq: int) -> ReplayPlan | None: ...
 
     def snapshot_plan(self, topic: bytes | None) -> SnapshotPlan | None: ...
-
-
-class _PeerGone(Exception):
-    pass
 
 
 class ReplayServer:
@@ -103,7 +100,7 @@ class ReplayServer:
                 continue
             try:
                 self._handle(request)
-            except _PeerGone:
+            except PeerGone:
                 log.info("replay requester went away")
             except Exception:  # one bad request must never stop the replay service
                 log.exception("replay request failed")
@@ -169,11 +166,11 @@ class ReplayServer:
                 return
             except zmq.Again:
                 if self._stop.is_set() or time.monotonic() > deadline:
-                    raise _PeerGone() from None
+                    raise PeerGone() from None
                 time.sleep(0.001)  # POLLOUT on a ROUTER does not track one peer's pipe
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EHOSTUNREACH:
-                    raise _PeerGone() from None
+                    raise PeerGone() from None
                 raise
 
 

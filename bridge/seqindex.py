@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
+from bridge.errors import SeqIndexError
+
 
 class SeqIndex:
     """Seq <-> offset for one stream; seqs start at ``base_seq`` and grow by one per append."""
 
     def __init__(self, base_seq: int = 0) -> None:
         if base_seq < 0:
-            raise ValueError(f"base_seq must be >= 0, got {base_seq}")
+            raise SeqIndexError(f"base_seq must be >= 0, got {base_seq}")
         self._base_seq = base_seq
         self._run_seqs: list[int] = []  # first seq of each run
         self._run_offsets: list[int] = []  # offset of that first seq
@@ -46,7 +48,7 @@ class SeqIndex:
     def append(self, offset: int) -> int:
         """Give the record at ``offset`` the next seq and return it."""
         if offset <= self._last_offset:
-            raise ValueError(f"offsets must grow: {offset} after {self._last_offset}")
+            raise SeqIndexError(f"offsets must grow: {offset} after {self._last_offset}")
         seq = self._next_seq
         if not self._run_seqs or offset != self._last_offset + 1:
             self._run_seqs.append(seq)
@@ -59,15 +61,15 @@ class SeqIndex:
         """Shift every seq so the oldest becomes ``base_seq`` (used when the log was trimmed)."""
         delta = base_seq - self._base_seq
         if base_seq < 0:
-            raise ValueError(f"base_seq must be >= 0, got {base_seq}")
+            raise SeqIndexError(f"base_seq must be >= 0, got {base_seq}")
         self._base_seq = base_seq
         self._next_seq += delta
         self._run_seqs = [s + delta for s in self._run_seqs]
 
     def offset_of(self, seq: int) -> int:
-        """The log offset of ``seq``; ValueError when the index does not hold it."""
+        """The log offset of ``seq``; SeqIndexError when the index does not hold it."""
         if not self._base_seq <= seq < self._next_seq:
-            raise ValueError(f"seq {seq} is not in [{self._base_seq}, {self._next_seq})")
+            raise SeqIndexError(f"seq {seq} is not in [{self._base_seq}, {self._next_seq})")
         run = bisect_right(self._run_seqs, seq) - 1
         return self._run_offsets[run] + (seq - self._run_seqs[run])
 

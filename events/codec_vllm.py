@@ -5,16 +5,22 @@ A batch is the array ``[ts, events, data_parallel_rank]``. Events are maps with 
 extensions ride where vLLM consumers ignore them: a ``source`` key per event (docs/DECISIONS.md
 item 4) and the ``medium`` of an ``AllBlocksCleared``; in the legacy layout they are extra
 trailing array elements (msgspec's array-like decoding ignores extra trailing elements).
+
+This module is the one definition of the wire layouts and of the mapping between domain events
+and them. :func:`encode_batch` also takes a stored record's events as read by
+``events.records.decode_record_view``: their bulk arrays are copied onto the wire as the
+msgpack bytes they were stored as, without being decoded (the bridge's publish path).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from typing import Any, Final, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Generic, Literal, TypeVar
 
 import msgspec
 
+from events.records import ClearedView, RemovedView, StoredView
 from events.schema import (
     AllBlocksCleared,
     BlockRemoved,
@@ -38,11 +44,18 @@ class WireBatch(msgspec.Struct, frozen=True):
 
 # -- map layout (vLLM v0.26): required fields have no default, so they are always encoded ------
 
+H = TypeVar("H")
+"""``block_hashes`` and ``token_ids``: int tuples, or msgspec.Raw copied from a stored record."""
 
-class _MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
-    block_hashes: tuple[int, ...]
+_Ints = tuple[int, ...]
+
+
+class _MapStored(
+    msgspec.Struct, Generic[H], tag="BlockStored", tag_field="type", omit_defaults=True
+):
+    block_hashes: H
     parent_block_hash: int | None
-    token_ids: tuple[int, ...]
+    token_ids: H
     block_size: int
     lora_id: int | None
     medium: str
@@ -54,8 +67,10 @@ class _MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defau
     source: str | None = None
 
 
-class _MapRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
-    block_hashes: tuple[int, ...]
+class _MapRemoved(
+    msgspec.Struct, Generic[H], tag="BlockRemoved", tag_field="type", omit_defaults=True
+):
+    block_hashes: H
     medium: str
     group_idx: int | None = None
     source: str | None = None
@@ -66,7 +81,7 @@ class _MapCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit
     source: str | None = None
 
 
-_MapEvent = _MapStored | _MapRemoved | _MapCleared
+_MapEvent = _MapStored[_Ints] | _MapRemoved[_Ints] | _MapCleared
 
 
 class _MapBatch(msgspec.Struct, array_like=True):
@@ -161,9 +176,13 @@ def encode_batch(
     dp_rank: int = 0,
     source: str | None = None,
 ) -> bytes:
-    """One vLLM batch; ``source`` (our extension) is attached to every event when given."""
+    """One vLLM batch; ``source`` (our extension) is attached to every event when given.
+
+    ``events`` are domain events, or the events of an ``events.records.RecordView``: the same
+    batch, byte for byte, as for the record's domain events.
+    """
     if layout == "map":
-        wire: list[Any] = [_to_map(e, source) for e in events]
+        wire: list[Any] = [_TO_MAP[type(e)](e, source) for e in events]
     elif layout == "legacy":
         wire = [_to_legacy(e, source) for e in events]
     else:
@@ -171,34 +190,52 @@ def encode_batch(
     return _ENCODER.encode(_EncodeBatch(float(ts), wire, dp_rank))
 
 
-def _to_map(e: Event, source: str | None) -> _MapEvent:
-    if isinstance(e, BlockStored):
-        sliding = e.kv_cache_spec_kind == "sliding_window"
-        # Defaults travel as None so that omit_defaults leaves them out, as vLLM does.
-        return _MapStored(
-            e.block_hashes,
-            e.parent_block_hash,
-            e.token_ids,
-            e.block_size,
-            None,
-            e.medium,
-            e.lora_name,
-            e.extra_keys,
-            e.group_idx or None,
-            e.kv_cache_spec_kind if sliding else None,
-            e.sliding_window if sliding else None,
-            source,
-        )
-    if isinstance(e, BlockRemoved):
-        return _MapRemoved(e.block_hashes, e.medium, e.group_idx or None, source)
+def _stored_to_map(e: BlockStored, source: str | None) -> _MapStored[Any]:
+    sliding = e.kv_cache_spec_kind == "sliding_window"
+    # Defaults travel as None so that omit_defaults leaves them out, as vLLM does.
+    return _MapStored(
+        e.block_hashes,
+        e.parent_block_hash,
+        e.token_ids,
+        e.block_size,
+        None,
+        e.medium,
+        e.lora_name,
+        e.extra_keys,
+        e.group_idx or None,
+        e.kv_cache_spec_kind if sliding else None,
+        e.sliding_window if sliding else None,
+        source,
+    )
+
+
+def _removed_to_map(e: BlockRemoved, source: str | None) -> _MapRemoved[Any]:
+    return _MapRemoved(e.block_hashes, e.medium, e.group_idx or None, source)
+
+
+def _cleared_to_map(e: AllBlocksCleared, source: str | None) -> _MapCleared:
     return _MapCleared(e.medium, source)
+
+
+# Dispatch on the exact type (a failed isinstance on a Struct class costs more than the
+# mapping); a record view (events.records) maps like the domain event it was derived from.
+_TO_MAP: Final[dict[type, Callable[[Any, str | None], Any]]] = {
+    BlockStored: _stored_to_map,
+    BlockRemoved: _removed_to_map,
+    AllBlocksCleared: _cleared_to_map,
+    StoredView: _stored_to_map,
+    RemovedView: _removed_to_map,
+    ClearedView: _cleared_to_map,
+}
+_STORED: Final = (BlockStored, StoredView)
+_REMOVED: Final = (BlockRemoved, RemovedView)
 
 
 def _to_legacy(e: Event, source: str | None) -> list[Any]:
     # vLLM's array-like structs encode every field (msgspec ignores omit_defaults there); our
     # extensions are appended only when set, so plain events match vLLM's bytes exactly.
     out: list[Any]
-    if isinstance(e, BlockStored):
+    if isinstance(e, _STORED):
         sliding = e.kv_cache_spec_kind == "sliding_window"
         out = [
             "BlockStored",
@@ -214,7 +251,7 @@ def _to_legacy(e: Event, source: str | None) -> list[Any]:
             e.kv_cache_spec_kind,
             e.sliding_window if sliding else None,
         ]
-    elif isinstance(e, BlockRemoved):
+    elif isinstance(e, _REMOVED):
         out = ["BlockRemoved", e.block_hashes, e.medium, e.group_idx]
     else:
         out = ["AllBlocksCleared"]

@@ -22,22 +22,22 @@ import cbor2
 import numpy as np
 import xxhash
 
-from events.schema import BlockHash
+from events.schema import BlockDigest, BlockHash
 
 HashAlgo = Literal["sha256_cbor", "xxh3_128_cbor"]
 HASH_ALGOS: Final[tuple[HashAlgo, ...]] = ("sha256_cbor", "xxh3_128_cbor")
 DIGEST_BYTES: Final[dict[HashAlgo, int]] = {"sha256_cbor": 32, "xxh3_128_cbor": 16}
 
 
-def _sha256(data: bytes) -> bytes:
-    return hashlib.sha256(data).digest()
+def _sha256(data: bytes) -> BlockDigest:
+    return BlockDigest(hashlib.sha256(data).digest())
 
 
-def _xxh3_128(data: bytes) -> bytes:
-    return xxhash.xxh3_128_digest(data)
+def _xxh3_128(data: bytes) -> BlockDigest:
+    return BlockDigest(xxhash.xxh3_128_digest(data))
 
 
-_DIGESTS: Final[dict[HashAlgo, Callable[[bytes], bytes]]] = {
+_DIGESTS: Final[dict[HashAlgo, Callable[[bytes], BlockDigest]]] = {
     "sha256_cbor": _sha256,
     "xxh3_128_cbor": _xxh3_128,
 }
@@ -82,8 +82,10 @@ def _encode_ids(token_ids: Sequence[int] | np.ndarray) -> tuple[bytes, np.ndarra
     return rows[_KEEP[width]].tobytes(), _CODE_SIZE[width]
 
 
-def to_wire(digest: bytes) -> BlockHash:
-    """The 64-bit form published on the ZMQ wire and used by the reducer."""
+# Digests in: ``BlockDigest | bytes`` until the engine and offloadd hold typed digests (their
+# block tables still say ``bytes``); digests out are always ``BlockDigest``.
+def to_wire(digest: BlockDigest | bytes) -> BlockHash:
+    """The 64-bit form of a digest: published on the ZMQ wire and used by the reducer."""
     return BlockHash(int.from_bytes(digest[-8:], "big"))
 
 
@@ -110,12 +112,15 @@ class BlockHasher:
         return DIGEST_BYTES[self.algo]
 
     @functools.cached_property
-    def none_hash(self) -> bytes:
+    def none_hash(self) -> BlockDigest:
         return _DIGESTS[self.algo](canonical_cbor(str(self.seed)))
 
     def hash_block(
-        self, parent: bytes | None, token_ids: Sequence[int], extra_keys: Sequence[Any] | None = None
-    ) -> bytes:
+        self,
+        parent: BlockDigest | bytes | None,
+        token_ids: Sequence[int],
+        extra_keys: Sequence[Any] | None = None,
+    ) -> BlockDigest:
         """Digest of one block given its parent's digest (None for the first block)."""
         parent_digest = self.none_hash if parent is None else parent
         if extra_keys is None and type(parent_digest) is bytes:
@@ -127,9 +132,9 @@ class BlockHasher:
     def hash_blocks(
         self,
         token_ids: Sequence[int] | np.ndarray,
-        parent: bytes | None = None,
+        parent: BlockDigest | bytes | None = None,
         extra_keys: Sequence[Any] | None = None,
-    ) -> list[bytes]:
+    ) -> list[BlockDigest]:
         """Digests of every full block of ``token_ids`` (a list, or a 1-D integer array: no
         conversion); a trailing partial block is skipped."""
         bs = self.block_size
@@ -141,7 +146,7 @@ class BlockHasher:
                 flat, sizes = encoded
                 ends = sizes.reshape(-1, bs).sum(axis=1).cumsum().tolist() if end else []
                 return self._chain(parent_digest, flat, ends, bs)
-        out: list[bytes] = []
+        out: list[BlockDigest] = []
         for start in range(0, end, bs):
             parent_digest = self._hash_general(parent_digest, token_ids[start : start + bs], extra_keys)
             out.append(parent_digest)
@@ -150,24 +155,29 @@ class BlockHasher:
     def hash_blocks_general(
         self,
         token_ids: Sequence[int],
-        parent: bytes | None = None,
+        parent: BlockDigest | bytes | None = None,
         extra_keys: Sequence[Any] | None = None,
-    ) -> list[bytes]:
+    ) -> list[BlockDigest]:
         """``hash_blocks`` through cbor2 only: the definition the fast path is checked against."""
         bs = self.block_size
         parent_digest = self.none_hash if parent is None else parent
-        out: list[bytes] = []
+        out: list[BlockDigest] = []
         for start in range(0, len(token_ids) - bs + 1, bs):
             parent_digest = self._hash_general(parent_digest, token_ids[start : start + bs], extra_keys)
             out.append(parent_digest)
         return out
 
-    def _hash_general(self, parent: bytes, token_ids: Sequence[int] | np.ndarray, extra_keys: Sequence[Any] | None) -> bytes:
+    def _hash_general(
+        self,
+        parent: bytes,
+        token_ids: Sequence[int] | np.ndarray,
+        extra_keys: Sequence[Any] | None,
+    ) -> BlockDigest:
         keys = None if extra_keys is None else tuple(extra_keys)
         payload = canonical_cbor([parent, [int(t) for t in token_ids], keys])
         return _DIGESTS[self.algo](payload)
 
-    def _chain(self, parent: bytes, encoded: bytes, ends: list[int], n: int) -> list[bytes]:
+    def _chain(self, parent: bytes, encoded: bytes, ends: list[int], n: int) -> list[BlockDigest]:
         """Chain over blocks of ``n`` ids whose CBOR is ``encoded[ends[i-1]:ends[i]]``:
         [parent, [ids], null] by hand."""
         digest = _DIGESTS[self.algo]
@@ -176,7 +186,7 @@ class BlockHasher:
         # Every parent after the first is one of our digests, so its head is fixed.
         head = b"\x83" + cbor_head(2, len(parent))
         chained = b"\x83" + cbor_head(2, self.digest_bytes)
-        out: list[bytes] = []
+        out: list[BlockDigest] = []
         start = 0
         for stop in ends:
             parent = digest(join((head, parent, ids_head, encoded[start:stop], b"\xf6")))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Final, Protocol
 
+from events.errors import EventsError
 from events.logkeys import LogKeys
 from events.records import RECORD_FIELD, decode_record, entry_id, offset_of
 from events.schema import LogRecord, SchemaError
@@ -21,7 +22,7 @@ RawEntry = tuple[int, bytes]
 """``(offset, stored bytes)`` of one log entry, not yet decoded."""
 
 
-class LogUnavailable(Exception):
+class LogUnavailable(EventsError):
     """Redis could not be reached; the operation may be retried."""
 
 

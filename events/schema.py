@@ -1,7 +1,8 @@
 """Domain event types: past-tense facts about KV blocks, shared by every part of kvoffload.
 
-Hashes are the 64-bit wire form (``BlockHash``): what vLLM publishes and routers match on.
-Full digests live only in the engine's block pool and the offload store RPCs.
+Hashes in events are the 64-bit wire form (``BlockHash``): what vLLM publishes and routers
+match on. The full digest a block's identity chains on (``BlockDigest``) lives in the engine's
+block pool and the offload store RPCs; ``events.hashing.to_wire`` turns one into the other.
 """
 
 from __future__ import annotations
@@ -10,8 +11,13 @@ from typing import Any, Final, Literal, NewType
 
 import msgspec
 
+from events.errors import EventsError
+
 BlockHash = NewType("BlockHash", int)
 """The last 8 bytes of a block digest as an unsigned big-endian int, in [0, 2**64)."""
+
+BlockDigest = NewType("BlockDigest", bytes)
+"""A block's full chained digest (32 bytes for sha256_cbor, 16 for xxh3_128_cbor)."""
 
 Medium = Literal["GPU", "CPU"]
 MEDIA: Final[tuple[Medium, ...]] = ("GPU", "CPU")
@@ -69,7 +75,7 @@ class LogRecord(msgspec.Struct, frozen=True):
     events: tuple[Event, ...]
 
 
-class SchemaError(ValueError):
+class SchemaError(EventsError, ValueError):
     """An event or record violates the schema; the message names the field."""
 
 

@@ -16,6 +16,7 @@ import msgspec
 
 from events.schema import (
     MEDIA,
+    BlockHash,
     BlockStored,
     LogRecord,
     Medium,
@@ -168,11 +169,12 @@ class CacheState:
 
     def longest_prefix(
         self,
-        hashes: Sequence[int],
+        hashes: Sequence[BlockHash],
         group_idx: int = 0,
         weights: Mapping[Medium, float] = TIER_WEIGHTS,
     ) -> dict[str, PrefixMatch]:
-        """Per source, the leading run of ``hashes`` resident in some tier.
+        """Per source, the leading run of ``hashes`` (wire form, see events.hashing.to_wire)
+        resident in some tier.
 
         Each block counts in its best (highest-weight) tier; sources with no match are omitted.
         """

@@ -27,15 +27,24 @@ from typing import Any
 import zmq
 
 from events.codec_vllm import WireBatch, decode_batch
+from events.errors import EventsError
 from events.hashing import BlockHasher, to_wire
-from events.schema import BlockStored, Event, LogRecord, Medium, SchemaError
+from events.schema import (
+    BlockDigest,
+    BlockHash,
+    BlockStored,
+    Event,
+    LogRecord,
+    Medium,
+    SchemaError,
+)
 from events.state import CacheState, PrefixMatch, Snapshot, SourceSnapshot
 from events.wire_frames import SNAPSHOT, seq_bytes
 
 log = logging.getLogger("kvsubscriber")
 
 
-class SubscriberError(Exception):
+class SubscriberError(EventsError):
     """The bridge did not answer a replay or snapshot request in time."""
 
 
@@ -253,7 +262,8 @@ class KvEventSubscriber:
         extra_keys: Sequence[Any] | None = None,
     ) -> dict[str, PrefixMatch]:
         """Per source, how many leading full blocks of ``token_ids`` are cached, and where."""
-        hashes = [to_wire(d) for d in hasher.hash_blocks(token_ids, extra_keys=extra_keys)]
+        digests: list[BlockDigest] = hasher.hash_blocks(token_ids, extra_keys=extra_keys)
+        hashes: list[BlockHash] = [to_wire(d) for d in digests]
         with self.lock:
             return self.state.longest_prefix(hashes, group_idx)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from events.errors import EventsError
+
 SEQ_BYTES: Final[int] = 8
 END_SEQ: Final[bytes] = b"\xff" * SEQ_BYTES
 MAX_SEQ: Final[int] = 2**64 - 2  # 2**64 - 1 is the end marker
@@ -36,7 +38,7 @@ def seq_value(frame: bytes) -> int:
     return int.from_bytes(frame, "big")
 
 
-class BadRequest(ValueError):
+class BadRequest(EventsError, ValueError):
     """A replay/snapshot request that does not follow WIRE.md; it is logged and ignored."""
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import grpc
 
+from rpc.tls import RpcConfigError
+
 OPEN_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/",)
 """Methods callable without a token."""
 
@@ -27,7 +29,7 @@ class TokenCheck:
 
     def __init__(self, token: str) -> None:
         if not token:
-            raise ValueError("the bearer token must not be empty")
+            raise RpcConfigError("the bearer token must not be empty")
         self._expected = f"Bearer {token}".encode()
 
     def refusal(self, details: grpc.HandlerCallDetails) -> str | None:

@@ -25,7 +25,11 @@ import grpc
 log = logging.getLogger(__name__)
 
 
-class SecurityConfigError(ValueError):
+class RpcConfigError(ValueError):
+    """The root of rpc's errors: gRPC plumbing asked to run with settings it cannot use."""
+
+
+class SecurityConfigError(RpcConfigError):
     """A certificate, key or token file is missing, unreadable or empty; the message names it."""
 
 

@@ -6,6 +6,7 @@ import pytest
 import redis
 
 from bridge.config import BridgeConfig, config_from_args
+from bridge.errors import BridgeConfigError, BridgeError, PeerGone, SeqIndexError
 from bridge.position import PositionStore, SavedPosition
 from bridge.seqindex import SeqIndex
 from bridge.transcode import batch_for, takes_seq, transcode_record
@@ -141,10 +142,35 @@ def test_transcoder_matches_the_codec_byte_for_byte() -> None:
     for r in records:
         got = transcode_record(encode_record(r))
         assert got.payload == encode_batch(r.events, r.ts, source=r.source), r
+        bare = transcode_record(encode_record(r), with_source=False)
+        assert bare.payload == encode_batch(r.events, r.ts), r
         assert (got.offset, got.source, got.num_events) == (r.offset, r.source, len(r.events))
         legacy = batch_for(encode_record(r), "legacy")
         assert legacy is not None
         assert legacy.payload == encode_batch(r.events, r.ts, layout="legacy")
+
+
+def test_values_outside_the_schema_are_published_in_the_map_layout() -> None:
+    # The map path checks types only (the state's apply counts the violation); the legacy path
+    # validates, so such a record takes no seq there.
+    r = LogRecord(1, "e", 1, 1, 1.0, (
+        BlockRemoved((1,), "DISK", 0),  # type: ignore[arg-type]
+        BlockStored((1,), None, (1,), 1, "X", kv_cache_spec_kind="weird"),  # type: ignore[arg-type]
+    ))
+    got = batch_for(encode_record(r), "map")
+    assert got is not None and got.num_events == 2
+    assert got.payload == encode_batch(r.events, r.ts, source="e")
+    assert batch_for(encode_record(r), "legacy") is None
+
+
+def test_bridge_errors_share_one_root() -> None:
+    with pytest.raises(BridgeConfigError) as info:
+        BridgeConfig(namespace="a:b")
+    assert isinstance(info.value, BridgeError) and isinstance(info.value, ValueError)
+    with pytest.raises(SeqIndexError) as seq_info:
+        SeqIndex().offset_of(0)
+    assert isinstance(seq_info.value, BridgeError)
+    assert issubclass(PeerGone, BridgeError)
 
 
 def test_unreadable_records_take_no_seq() -> None:

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from events.hashing import BlockHasher, to_wire
+from events.schema import BlockDigest
 
 
 def _head(major: int, n: int) -> bytes:
@@ -139,3 +140,11 @@ def test_fast_path_takes_what_int_takes() -> None:
     assert hasher.hash_blocks(["70000", "3"]) == hasher.hash_blocks([70000, 3])  # type: ignore[list-item]
     assert hasher.hash_blocks([2**64, 1]) == hasher.hash_blocks_general([2**64, 1])
     assert hasher.hash_blocks([1, 2], extra_keys=("lora",)) == hasher.hash_blocks_general([1, 2], extra_keys=("lora",))
+
+
+def test_digests_are_block_digests_and_to_wire_takes_their_last_8_bytes() -> None:
+    hasher = BlockHasher(seed="0", block_size=2)
+    digests: list[BlockDigest] = hasher.hash_blocks([1, 2, 3, 4])
+    assert [len(d) for d in digests] == [32, 32]
+    assert hasher.hash_block(digests[0], [3, 4]) == digests[1]
+    assert to_wire(digests[1]) == int.from_bytes(digests[1][-8:], "big")

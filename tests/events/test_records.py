@@ -1,0 +1,74 @@
+"""Stored log records: the domain reading and the view the bridge publishes from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from events.codec_vllm import encode_batch
+from events.records import (
+    BULK_FIELDS,
+    ClearedView,
+    RecordView,
+    RemovedView,
+    StoredView,
+    decode_record,
+    decode_record_view,
+    encode_record,
+)
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, LogRecord, SchemaError
+from tests.events.event_strategies import event_lists, names
+
+
+@pytest.mark.parametrize(
+    ("view", "domain"),
+    [
+        (StoredView, BlockStored),
+        (RemovedView, BlockRemoved),
+        (ClearedView, AllBlocksCleared),
+        (RecordView, LogRecord),
+    ],
+)
+def test_views_are_the_schema_as_stored(view: Any, domain: Any) -> None:
+    got = [(f.name, f.encode_name, f.default) for f in msgspec.structs.fields(view)]
+    want = [(f.name, f.encode_name, f.default) for f in msgspec.structs.fields(domain)]
+    assert got == want
+    assert view.__struct_config__.tag == domain.__struct_config__.tag
+    assert view.__struct_config__.tag_field == domain.__struct_config__.tag_field
+    raw = {f.name for f in msgspec.structs.fields(view) if f.type is msgspec.Raw}
+    assert raw == BULK_FIELDS & {f.name for f in msgspec.structs.fields(domain)}
+
+
+@given(events=event_lists, ts=st.floats(0, 2e9), src=names, off=st.integers(1, 2**40))
+def test_view_encodes_to_the_same_batch_as_the_record(
+    events: list[Any], ts: float, src: str, off: int
+) -> None:
+    record = LogRecord(off, src, 3, 9, ts, tuple(events))
+    view = decode_record_view(encode_record(record))
+    assert (view.offset, view.source, view.incarnation, view.source_seq, view.ts) == (
+        off, src, 3, 9, ts,
+    )
+    for layout in ("map", "legacy"):
+        for source in (None, src):
+            assert encode_batch(view.events, view.ts, layout=layout, source=source) == (
+                encode_batch(record.events, record.ts, layout=layout, source=source)
+            )
+
+
+def test_view_leaves_value_checks_to_validation() -> None:
+    # A medium outside the schema's is refused by the validating reader only; the view reads it.
+    record = LogRecord(1, "e", 1, 1, 1.0, (BlockRemoved((1,), "DISK", 0),))  # type: ignore[arg-type]
+    data = encode_record(record)
+    with pytest.raises(SchemaError, match="medium"):
+        decode_record(data)
+    assert decode_record_view(data).events[0].medium == "DISK"
+
+
+@pytest.mark.parametrize("data", [b"", b"\x01garbage", msgspec.msgpack.encode({"offset": 1})])
+def test_unreadable_view_is_a_schema_error(data: bytes) -> None:
+    with pytest.raises(SchemaError, match="log record"):
+        decode_record_view(data)
