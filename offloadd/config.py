@@ -23,6 +23,7 @@ from typing import Final, Literal
 
 from events.hashing import DIGEST_BYTES, HASH_ALGOS, HashAlgo
 from events.logkeys import LogKeys
+from offloadd.errors import OffloaddError
 from rpc.tls import SecurityConfigError, check_server_tls
 
 Eviction = Literal["lru", "arc"]
@@ -31,7 +32,7 @@ MiB: Final[int] = 1 << 20
 GiB: Final[int] = 1 << 30
 
 
-class ConfigError(ValueError):
+class ConfigError(OffloaddError, ValueError):
     """A flag or environment value is invalid; the message names it."""
 
 

@@ -1,9 +1,11 @@
-"""Domain messages of the OffloadStore API: what the servicer converts protobuf to and from."""
+"""Domain messages of the OffloadStore API: what offloadd.codec converts protobuf to and from."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from offloadd.arena import ArenaGeometry, ArenaMapping, SlotGenerations, generations_path
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,27 @@ class GroupArenaInfo:
     slots_per_chunk: int
     max_slots: int
     chunk_path_template: str
+
+
+@dataclass(frozen=True)
+class EngineRegistration:
+    """RegisterEngine's answer: the hash scheme and, per group, where its arena lives."""
+
+    hash_algo: str
+    groups: dict[int, GroupArenaInfo]
+
+    def map_arena(self, group_idx: int) -> ArenaMapping:
+        """Map this group's arena files in this process (lazily, chunk by chunk)."""
+        g = self.groups[group_idx]
+        return ArenaMapping(
+            ArenaGeometry(g.slot_bytes, g.slots_per_chunk, g.max_slots, g.chunk_path_template)
+        )
+
+    def map_generations(self, group_idx: int) -> SlotGenerations:
+        """Map this group's generation table read-only: per slot, the generation of the block
+        it serves now (0: none). FileNotFoundError from a daemon that publishes none."""
+        g = self.groups[group_idx]
+        return SlotGenerations(generations_path(g.chunk_path_template), g.max_slots)
 
 
 @dataclass(frozen=True)
@@ -74,6 +97,21 @@ class ReserveOutcome:
     blocks: tuple[tuple[ReserveStatus, int], ...]  # (status, slot or -1), in request order
     lease_expires_unix_ms: int
     generations: tuple[int, ...] = ()  # per block, the slot's assignment; 0 unless reserved
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    num_committed: int
+    log_offset: int
+
+
+@dataclass(frozen=True)
+class BlockData:
+    """One block's bytes as ReadBlocks returns them (the slow path; loads use the arena)."""
+
+    block_hash: bytes
+    data: bytes
+    checksum: int
 
 
 @dataclass(frozen=True)

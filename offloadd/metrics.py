@@ -33,7 +33,7 @@ class _StateCollector(Collector):
         )
         nbytes = GaugeMetricFamily("offloadd_bytes", "Bytes of resident blocks", labels=["tier"])
         cpu_bytes = 0
-        for lay in list(store.layouts.by_id.values()):  # list(): one atomic copy under the GIL
+        for lay in store.all_layouts():  # one atomic copy under the GIL (collector thread)
             lid = str(lay.layout_id)
             blocks.add_metric(["CPU", lid, "ready"], lay.index.num_ready)
             blocks.add_metric(["CPU", lid, "reserved"], lay.index.num_reserved)

@@ -150,7 +150,7 @@ class Daemon:
     async def _audit_projection(self) -> None:
         """After start: verify restored blocks' bytes, then the GPU-tier projection."""
         t0 = time.perf_counter()
-        ok, failed = await self.store.verify_restored()
+        ok, failed = await self.store.integrity.verify_restored()
         if ok or failed:
             log.info("restored blocks verified", extra={
                 "num_verified": ok, "num_failed": failed, "seconds": time.perf_counter() - t0,
@@ -169,7 +169,7 @@ class Daemon:
             try:
                 await self.store.resolve_quietly()
                 self.store.expire()
-                if self.store.corrupt:
+                if self.store.integrity.has_corrupt:
                     await self.writer.drop_corrupt()
             except RedisUnavailable:
                 pass  # retried next round; requests meanwhile get UNAVAILABLE
@@ -189,7 +189,7 @@ class Daemon:
                     await task
         self.metrics.close()
         await self.redis.aclose()
-        self.store.layouts.close()
+        self.store.close()
 
 
 async def create_server(config: OffloaddConfig) -> tuple[Daemon, Ports]:
@@ -198,6 +198,6 @@ async def create_server(config: OffloaddConfig) -> tuple[Daemon, Ports]:
         ports = await daemon.start()
     except BaseException:
         await daemon.redis.aclose()
-        daemon.store.layouts.close()
+        daemon.store.close()
         raise
     return daemon, ports

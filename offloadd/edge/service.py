@@ -1,8 +1,9 @@
 """Thin gRPC servicers: bytes -> proto -> domain -> proto, and domain errors -> status codes.
 
 Handlers take raw bytes and parse them here so that garbage gets INVALID_ARGUMENT with a
-message (grpc's own deserializer would answer INTERNAL). Error mapping: InvalidArgument and
-SchemaError -> INVALID_ARGUMENT; FailedPrecondition -> FAILED_PRECONDITION; NotFound ->
+message (grpc's own deserializer would answer INTERNAL); offloadd.codec converts the rest.
+Error mapping: InvalidArgument and SchemaError -> INVALID_ARGUMENT; FailedPrecondition ->
+FAILED_PRECONDITION (NotRegistered with the ``kvd-error: not-registered`` trailer); NotFound ->
 NOT_FOUND; ResourceExhausted -> RESOURCE_EXHAUSTED; RedisUnavailable -> UNAVAILABLE.
 """
 
@@ -21,12 +22,12 @@ from kvcache.v1 import events_pb2, log_pb2, offload_pb2
 
 from events.codec_proto import batch_from_proto, record_to_proto, snapshot_to_proto
 from events.schema import SchemaError
-from offloadd import messages as m
+from offloadd import codec
 from offloadd.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    OffloadError,
+    RequestError,
     ResourceExhausted,
 )
 from offloadd.log.ingest import Ingest
@@ -47,7 +48,6 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (RedisUnavailable, grpc.StatusCode.UNAVAILABLE),
     (LogConflict, grpc.StatusCode.INTERNAL),
 ]
-_KINDS = {0: "full_attention", 1: "full_attention", 2: "sliding_window"}
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -86,11 +86,11 @@ class Servicers:
         code = grpc.StatusCode.OK
         try:
             return await fn(parse(raw, req_cls, name))
-        except (OffloadError, SchemaError, RedisUnavailable, LogConflict) as exc:
+        except (RequestError, SchemaError, RedisUnavailable, LogConflict) as exc:
             code = status_of(exc) or grpc.StatusCode.UNKNOWN
             if isinstance(exc, LogConflict):
                 self.on_fatal(str(exc))
-            await context.abort(code, f"{name}: {exc}")
+            await _abort(context, code, f"{name}: {exc}", exc)
             raise  # abort raises; this is for type checkers
         finally:
             self.metrics.rpc_latency.labels(name, code.name).observe(time.perf_counter() - t0)
@@ -133,79 +133,44 @@ class Servicers:
     # -- OffloadStore ---------------------------------------------------------------------
 
     async def register_engine(self, req: offload_pb2.RegisterEngineRequest) -> Message:
-        groups = []
-        for i, g in enumerate(req.groups):
-            if g.kind not in _KINDS:
-                raise InvalidArgument(f"groups[{i}].kind: unknown value {g.kind}")
-            groups.append(m.GroupSpec(g.group_idx, _KINDS[g.kind], g.sliding_window,
-                                      g.block_size, g.block_bytes, g.dtype, g.layout))
         infos = await self.registrar.register(
-            req.engine_id, req.incarnation, req.model_namespace, groups
+            req.engine_id, req.incarnation, req.model_namespace, codec.groups_from_proto(req)
         )
-        return offload_pb2.RegisterEngineResponse(
-            groups=[offload_pb2.GroupArena(
-                group_idx=a.group_idx, layout_id=a.layout_id, slot_bytes=a.slot_bytes,
-                slots_per_chunk=a.slots_per_chunk, max_slots=a.max_slots,
-                chunk_path_template=a.chunk_path_template,
-            ) for a in infos],
-            hash_algo=self.store.config.hash_algo,
-        )
+        return codec.registration_to_proto(infos, self.store.config.hash_algo)
 
     async def lookup(self, req: offload_pb2.LookupRequest) -> Message:
-        queries = [m.GroupQuery(q.group_idx, tuple(q.block_hashes), q.prefix_only)
-                   for q in req.queries]
-        out = self.store.lookup(req.engine_id, queries, req.pin, req.lease_ms)
-        return offload_pb2.LookupResponse(
-            results=[offload_pb2.GroupResult(group_idx=r.group_idx, num_prefix=r.num_prefix,
-                                             slots=r.slots, generations=r.generations)
-                     for r in out.results],
-            lease_id=out.lease_id, lease_expires_unix_ms=out.lease_expires_unix_ms,
-        )
+        queries = codec.queries_from_proto(req)
+        return codec.lookup_to_proto(self.store.lookup(req.engine_id, queries, req.pin, req.lease_ms))
 
     async def reserve(self, req: offload_pb2.ReserveRequest) -> Message:
-        blocks = [m.BlockToStore(b.block_hash, b.parent_block_hash or None, tuple(b.token_ids),
-                                 b.extra_keys) for b in req.blocks]
         out = await self.writer.reserve(
-            req.engine_id, req.group_idx, blocks, req.lease_ms, req.lora_name or None
+            req.engine_id, req.group_idx, codec.blocks_from_proto(req), req.lease_ms,
+            req.lora_name or None,
         )
-        return offload_pb2.ReserveResponse(
-            reservation_id=out.reservation_id,
-            blocks=[offload_pb2.Reservation(status=int(s), slot=slot, generation=gen)  # type: ignore[arg-type]
-                    for (s, slot), gen in zip(out.blocks, out.generations, strict=True)],
-            lease_expires_unix_ms=out.lease_expires_unix_ms,
-        )
+        return codec.reserve_to_proto(out)
 
     async def commit(self, req: offload_pb2.CommitRequest) -> Message:
-        n, offset = await self.writer.commit(req.engine_id, req.reservation_id, list(req.block_hashes))
-        return offload_pb2.CommitResponse(num_committed=n, log_offset=offset)
+        out = await self.writer.commit(req.engine_id, req.reservation_id, list(req.block_hashes))
+        return codec.commit_to_proto(out)
 
     async def abort(self, req: offload_pb2.AbortRequest) -> Message:
-        return offload_pb2.AbortResponse(num_aborted=self.writer.abort(req.engine_id, req.reservation_id))
+        return codec.abort_to_proto(self.writer.abort(req.engine_id, req.reservation_id))
 
     async def release(self, req: offload_pb2.ReleaseRequest) -> Message:
-        return offload_pb2.ReleaseResponse(num_released=self.store.release(req.engine_id, req.lease_id))
+        return codec.release_to_proto(self.store.release(req.engine_id, req.lease_id))
 
     async def stats(self, req: offload_pb2.StatsRequest) -> Message:
-        s = self.store.stats()
-        return offload_pb2.StatsResponse(
-            capacity_bytes=s.capacity_bytes, used_bytes=s.used_bytes, num_blocks=s.num_blocks,
-            hits=s.hits, misses=s.misses, evictions=s.evictions, log_offset=s.log_offset,
-            num_engines=s.num_engines,
-            layouts=[offload_pb2.LayoutStats(
-                layout_id=x.layout_id, slot_bytes=x.slot_bytes, num_slots=x.num_slots,
-                num_ready=x.num_ready, num_reserved=x.num_reserved, num_pinned=x.num_pinned,
-            ) for x in s.layouts],
-        )
+        return codec.stats_to_proto(self.store.stats())
 
     async def read_blocks(self, raw: bytes, context: Context) -> AsyncIterator[Message]:
         try:
             req = parse(raw, offload_pb2.ReadBlocksRequest, "ReadBlocks")
             blocks = self.store.read_blocks(req.engine_id, req.group_idx, list(req.block_hashes))
-        except OffloadError as exc:
-            await context.abort(status_of(exc) or grpc.StatusCode.UNKNOWN, f"ReadBlocks: {exc}")
+        except RequestError as exc:
+            await _abort(context, status_of(exc) or grpc.StatusCode.UNKNOWN, f"ReadBlocks: {exc}", exc)
             return
-        for digest, data, checksum in blocks:
-            yield offload_pb2.BlockData(block_hash=digest, data=data, checksum=checksum)
+        for block in blocks:
+            yield codec.block_data_to_proto(block)
 
     # -- EventIngest ----------------------------------------------------------------------
 
@@ -271,6 +236,13 @@ class Servicers:
 
     async def snapshot(self, req: log_pb2.SnapshotRequest) -> Message:
         return snapshot_to_proto(self.metadata.state.export())
+
+
+async def _abort(context: Context, code: grpc.StatusCode, details: str, exc: BaseException) -> None:
+    """End the call with ``code``; request errors of a finer kind than the code say so in a
+    trailer (offloadd.codec.error_trailers) that clients turn into a typed error."""
+    trailers = codec.error_trailers(exc) if isinstance(exc, RequestError) else ()
+    await context.abort(code, details, trailing_metadata=trailers)
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:

@@ -20,7 +20,7 @@ from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event, Lo
 from events.state import CacheState
 from offloadd.log.metadata import Append, MetadataStore
 from offloadd.log.projection import Pipe, project_gpu_events
-from offloadd.tier.store import DAEMON_SOURCE
+from offloadd.tier.source import DAEMON_SOURCE
 
 
 class AckStatus(enum.IntEnum):

@@ -26,6 +26,7 @@ from events.logkeys import LogKeys
 from events.records import RECORD_FIELD, decode_record, encode_record, entry_id
 from events.schema import Event, LogRecord, SchemaError
 from events.state import CacheState
+from offloadd.errors import OffloaddError
 from offloadd.log import projection
 from offloadd.log.projection import EngineRecord, LayoutRecord, Pipe, ProjectedBlock
 
@@ -34,11 +35,11 @@ log = logging.getLogger(__name__)
 _record_decoder = msgspec.msgpack.Decoder(LogRecord)  # events.records' format, unvalidated
 
 
-class RedisUnavailable(Exception):
+class RedisUnavailable(OffloaddError):
     """Redis could not be reached or refused the write; nothing was applied in memory."""
 
 
-class LogConflict(Exception):
+class LogConflict(OffloaddError):
     """The log moved under us (another writer, or a write we gave up on landed late)."""
 
 

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 import msgspec
 from redis.exceptions import WatchError
 
-from events.schema import AllBlocksCleared, BlockRemoved, Event, LogRecord
+from events.schema import AllBlocksCleared, BlockRemoved, Event
 from offloadd.log.metadata import Append, Persisted
 from offloadd.log.projection import Pipe, gpu_member
 from offloadd.tier.index import BlockState, SlotEntry
-from offloadd.tier.store import DAEMON_SOURCE, HostStore
+from offloadd.tier.source import DAEMON_SOURCE
+from offloadd.tier.store import HostStore
 
 log = logging.getLogger(__name__)
 
@@ -89,17 +90,17 @@ async def _recover(store: HostStore) -> RecoveryReport:
     reused = arena_id is not None and _read(marker) == arena_id
     fence = md.state.fence(DAEMON_SOURCE)
     if reused:
-        store.daemon_incarnation, store.daemon_seq = fence or (int(persisted.daemon["incarnation"]), 0)
+        store.source.start(*(fence or (int(persisted.daemon["incarnation"]), 0)))
     else:
         await _new_arena(store, persisted, marker)
     for rec in persisted.layouts:
-        store.layouts.add(rec)
+        store.add_layout(rec)
     for eng in persisted.engines:
         store.add_engine(eng)
     dropped = await _restore_blocks(store, persisted) if reused else 0
     report = RecoveryReport(
-        md.head, num_records, sum(lay.index.num_ready for lay in store.layouts.by_id.values()),
-        dropped, reused, store.daemon_incarnation, time.perf_counter() - t0, t_replay,
+        md.head, num_records, sum(lay.index.num_ready for lay in store.all_layouts()),
+        dropped, reused, store.source.incarnation, time.perf_counter() - t0, t_replay,
     )
     log.info("recovered %s", report)
     return report
@@ -125,7 +126,7 @@ async def _new_arena(store: HostStore, persisted: Persisted, marker: str) -> Non
     md, cfg = store.metadata, store.config
     fence = md.state.fence(DAEMON_SOURCE)
     old = fence[0] if fence else int(persisted.daemon.get("incarnation", "0"))
-    store.daemon_incarnation, store.daemon_seq = old + 1, 0
+    store.source.start(old + 1, 0)
     for path in glob.glob(os.path.join(cfg.arena_dir, f"kvd-{cfg.namespace}-L*-C*")):
         if path.endswith("-Cgen"):  # an engine may still map it: nothing it names is servable
             _zero(path)
@@ -140,9 +141,8 @@ async def _new_arena(store: HostStore, persisted: Persisted, marker: str) -> Non
     await md.write_registration(persisted.layouts, None)
     if had_blocks:
         await md.append(Append(
-            DAEMON_SOURCE, store.daemon_incarnation, 1, (AllBlocksCleared("CPU"),),
-            project=lambda pipe: pipe.delete(*keys) if keys else None,
-            apply=lambda r: setattr(store, "daemon_seq", r.source_seq),
+            DAEMON_SOURCE, store.source.incarnation, 1, (AllBlocksCleared("CPU"),),
+            project=lambda pipe: pipe.delete(*keys) if keys else None, apply=store.source.logged,
         ))
     elif keys:
         await md.client.delete(*keys)
@@ -151,8 +151,8 @@ async def _new_arena(store: HostStore, persisted: Persisted, marker: str) -> Non
     fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, cfg.file_mode)
     with os.fdopen(fd, "w") as f:
         f.write(new_id)
-    await md.set_daemon_fields({"arena_id": new_id, "incarnation": str(store.daemon_incarnation)})
-    log.warning("arena not found or not ours: new daemon incarnation %d", store.daemon_incarnation)
+    await md.set_daemon_fields({"arena_id": new_id, "incarnation": str(store.source.incarnation)})
+    log.warning("arena not found or not ours: new daemon incarnation %d", store.source.incarnation)
 
 
 async def _restore_blocks(store: HostStore, persisted: Persisted) -> int:
@@ -165,13 +165,12 @@ async def _restore_blocks(store: HostStore, persisted: Persisted) -> int:
             announced[group] = set(state.blocks(DAEMON_SOURCE, "CPU", group))
     served: dict[int, set[int]] = {}
     bad: dict[int, list[bytes]] = {}  # layout -> digests in the projection to delete
-    for layout in store.layouts.by_id.values():
+    for layout in store.all_layouts():
         group = layout.record.group_idx
         expected = announced.get(group, set())
         ok_here = served.setdefault(group, set())
         num_slots = layout.index.num_slots
         restored: dict[bytes, SlotEntry] = {}
-        unverified = store.unverified
         layout_id = layout.layout_id
         used: set[int] = set()  # two rows claiming one slot: serve neither
         for digest, pb in persisted.blocks.get(layout_id, {}).items():
@@ -180,17 +179,15 @@ async def _restore_blocks(store: HostStore, persisted: Persisted) -> int:
             if wire not in expected or slot in used or not 0 <= slot < num_slots:
                 bad.setdefault(layout_id, []).append(digest)
                 continue
-            # Bytes are checked after serving starts (HostStore.verify_restored), and before
+            # Bytes are checked after serving starts (Integrity.verify_restored), and before
             # any Lookup or ReadBlocks returns the block: unverified blocks are never served.
             restored[digest] = SlotEntry(
                 slot, BlockState.READY, pb.parent, pb.token_ids, pb.extra_keys, pb.lora_name,
-                "", pb.checksum, 0, False, store.next_generation(),
+                "", pb.checksum, 0, False, store.source.next_generation(),
             )
-            unverified.append((layout_id, digest))
             ok_here.add(wire)
             used.add(slot)
-        layout.index.insert_ready(restored)
-        layout.index.rebuild_free()
+        store.restore(layout, restored)
     events: list[Event] = []
     for group, hashes in sorted(announced.items()):
         gone = hashes - served.get(group, set())
@@ -212,15 +209,13 @@ async def _log_drops(store: HostStore, events: list[Event], bad: dict[int, list[
         for key, digests in keys.items():
             pipe.hdel(key, *digests)
 
-    def apply(record: LogRecord) -> None:
-        store.daemon_seq = record.source_seq
-
     if not events:  # projection rows the log never announced: nothing to tell readers
         for key, digests in keys.items():
             await md.client.hdel(key, *digests)
         return
     await md.append(Append(
-        DAEMON_SOURCE, store.daemon_incarnation, store.daemon_seq + 1, tuple(events), project, apply,
+        DAEMON_SOURCE, store.source.incarnation, store.source.next_seq(), tuple(events), project,
+        store.source.logged,
     ))
 
 

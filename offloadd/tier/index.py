@@ -71,6 +71,32 @@ class LayoutIndex:
 
     # -- queries --------------------------------------------------------------------------
 
+    def get(self, digest: bytes) -> SlotEntry | None:
+        return self.entries.get(digest)
+
+    def entry(self, digest: bytes) -> SlotEntry:
+        """The entry of a block known to be present (KeyError otherwise)."""
+        return self.entries[digest]
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def count_missing(self, digests: list[bytes]) -> int:
+        """How many of ``digests`` have no entry (need a slot); READY ones count as wanted
+        again, so they are touched and cannot be chosen as victims of the same request."""
+        missing = 0
+        for d in digests:
+            entry = self.entries.get(d)
+            if entry is None:
+                missing += 1
+            elif entry.state is BlockState.READY:
+                self.policy.touch(d)
+        return missing
+
+    def touch(self, digest: bytes) -> None:
+        self.policy.touch(digest)
+
     def ready(self, digest: bytes) -> SlotEntry | None:
         entry = self.entries.get(digest)
         return entry if entry is not None and entry.state is BlockState.READY else None

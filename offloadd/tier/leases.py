@@ -57,6 +57,18 @@ class LeaseTable:
         self.reservations[res.reservation_id] = res
         return res
 
+    def get_lease(self, lease_id: str) -> Lease | None:
+        return self.leases.get(lease_id)
+
+    def drop_lease(self, lease_id: str) -> None:
+        del self.leases[lease_id]
+
+    def get_reservation(self, reservation_id: str) -> Reservation | None:
+        return self.reservations.get(reservation_id)
+
+    def drop_reservation(self, reservation_id: str) -> None:
+        self.reservations.pop(reservation_id, None)
+
     def take_expired_leases(self, at_ms: int) -> list[Lease]:
         gone = [lease for lease in self.leases.values() if lease.expires_ms <= at_ms]
         for lease in gone:
@@ -64,7 +76,8 @@ class LeaseTable:
         return gone
 
     def take_expired_reservations(self, at_ms: int) -> list[Reservation]:
-        gone = [r for r in self.reservations.values() if r.expires_ms <= at_ms]
+        """Expired reservations, except those being committed (the commit decides them)."""
+        gone = [r for r in self.reservations.values() if r.expires_ms <= at_ms and not r.committing]
         for res in gone:
             del self.reservations[res.reservation_id]
         return gone

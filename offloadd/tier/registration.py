@@ -46,19 +46,19 @@ async def _register(
 ) -> list[GroupArenaInfo]:
     seen: set[int] = set()
     records: list[LayoutRecord] = []
-    next_id = store.layouts.next_id()
+    next_id = store.next_layout_id()
     for i, g in enumerate(groups):
         _check_group(i, g, seen)
         rec = LayoutRecord(
             0, model_namespace, g.group_idx, g.kind, g.sliding_window, g.block_size,
             g.block_bytes, g.dtype, g.layout, 0,
         )
-        known = store.layouts.by_identity.get(rec.identity)
+        known = store.layout_with(rec.identity)
         if known is not None:
-            records.append(store.layouts.by_id[known].record)
+            records.append(known.record)
             continue
         try:
-            geometry = store.layouts.geometry_for(next_id, rec.block_bytes)
+            geometry = store.geometry_for(next_id, rec.block_bytes)
         except ValueError as exc:
             raise InvalidArgument(f"groups[{i}]: {exc}") from exc
         rec = msgspec.structs.replace(
@@ -71,12 +71,9 @@ async def _register(
         tuple((g.group_idx, r.layout_id) for g, r in zip(groups, records, strict=True)),
     )
     await store.metadata.write_registration(records, engine)
-    for rec in records:  # Redis first, then memory
-        if rec.layout_id not in store.layouts.by_id:
-            store.layouts.add(rec)
+    layouts = [store.add_layout(rec) for rec in records]  # Redis first, then memory
     store.add_engine(engine)
-    return [arena_info(g.group_idx, store.layouts.by_id[r.layout_id])
-            for g, r in zip(groups, records, strict=True)]
+    return [arena_info(g.group_idx, layout) for g, layout in zip(groups, layouts, strict=True)]
 
 
 def arena_info(group_idx: int, layout: Layout) -> GroupArenaInfo:

@@ -1,37 +1,36 @@
-"""The host tier's read side and bookkeeping: engines, layouts, Lookup, Release, Stats, sweeps.
+"""The host tier's owner: engines, layouts, leases, reservations, the daemon's log position;
+and its read side: Lookup, Release, ReadBlocks, Stats, expiry sweeps.
 
 Lookups read memory only (no Redis, no await), so a Lookup is atomic with respect to every
-other request. Writes that must be logged live in offloadd.tier.writes.
+other request. Writes that must be logged (offloadd.tier.writes), registration
+(offloadd.tier.registration) and recovery (offloadd.log.recovery) change the tier only through
+HostStore's methods; per-layout slot state changes only through its LayoutIndex's transitions.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
-import time
 from dataclasses import dataclass
 
 from events.state import CacheState
+from offloadd.arena import ArenaGeometry
 from offloadd.config import OffloaddConfig
-from offloadd.errors import FailedPrecondition, InvalidArgument, NotFound
+from offloadd.errors import FailedPrecondition, InvalidArgument, NotFound, NotRegistered
 from offloadd.log.metadata import MetadataStore, RedisUnavailable
-from offloadd.log.projection import EngineRecord
+from offloadd.log.projection import EngineRecord, LayoutRecord
 from offloadd.messages import (
+    BlockData,
     GroupHit,
     GroupQuery,
     LayoutStats,
     LookupOutcome,
     StoreStats,
 )
-from offloadd.tier.index import BlockState
+from offloadd.tier.index import BlockState, SlotEntry
+from offloadd.tier.integrity import Integrity
 from offloadd.tier.layouts import Layout, LayoutTable
 from offloadd.tier.leases import LeaseTable, Reservation, now_ms, wall_ms_after
-
-log = logging.getLogger(__name__)
-
-DAEMON_SOURCE = "offloadd"
-"""Source name of the daemon's own CPU-tier events in the log."""
+from offloadd.tier.source import DaemonSource
 
 
 @dataclass
@@ -43,6 +42,9 @@ class EngineInfo:
 
 
 class HostStore:
+    """The one owner of the host tier's state. Its tables (``layouts``, ``engines``,
+    ``leases``) and counters are readable (metrics, stats); they change only through methods."""
+
     def __init__(self, config: OffloaddConfig, metadata: MetadataStore, state: CacheState) -> None:
         self.config = config
         self.metadata = metadata
@@ -50,29 +52,18 @@ class HostStore:
         self.layouts = LayoutTable(config)
         self.engines: dict[str, EngineInfo] = {}
         self.leases = LeaseTable()
-        self.daemon_incarnation = 0
-        self.daemon_seq = 0
+        self.source = DaemonSource()
         self.hits = 0
         self.misses = 0
         self.evictions = 0
-        self.corrupt: set[tuple[int, bytes]] = set()  # failed their checksum, removal pending
-        self.unverified: list[tuple[int, bytes]] = []  # restored at start, not yet checked
-        # Seeded from the wall clock (us): a restarted daemon never hands out a generation its
-        # predecessor did (it would take a million assignments a second to catch up).
-        self._last_generation = time.time_ns() // 1000
-
-    def next_generation(self) -> int:
-        """A new slot assignment's generation: daemon-wide, strictly increasing, never 0. An
-        engine that read a slot it remembered checks the pin's answer against it."""
-        self._last_generation += 1
-        return self._last_generation
+        self.integrity = Integrity(self.layouts)
 
     # -- validation -----------------------------------------------------------------------
 
     def engine(self, engine_id: str) -> EngineInfo:
         info = self.engines.get(engine_id)
         if info is None:
-            raise FailedPrecondition(f"engine {engine_id!r} is not registered; call RegisterEngine")
+            raise NotRegistered(f"engine {engine_id!r} is not registered; call RegisterEngine")
         return info
 
     def layout_of(self, engine: EngineInfo, group_idx: int) -> Layout:
@@ -100,10 +91,55 @@ class HostStore:
     def lease_ms(self, requested: int) -> int:
         return min(requested or self.config.lease_ms, self.config.max_lease_ms)
 
+    # -- layouts and engines ---------------------------------------------------------------
+
     def add_engine(self, rec: EngineRecord) -> None:
         self.engines[rec.engine_id] = EngineInfo(
             rec.engine_id, rec.incarnation, rec.model_namespace, dict(rec.groups)
         )
+
+    def layout(self, layout_id: int) -> Layout:
+        return self.layouts.by_id[layout_id]
+
+    def all_layouts(self) -> list[Layout]:
+        return list(self.layouts.by_id.values())
+
+    def layout_with(self, identity: str) -> Layout | None:
+        """The registered layout of this identity (LayoutRecord.identity), if any."""
+        layout_id = self.layouts.by_identity.get(identity)
+        return None if layout_id is None else self.layouts.by_id[layout_id]
+
+    def next_layout_id(self) -> int:
+        return self.layouts.next_id()
+
+    def geometry_for(self, layout_id: int, block_bytes: int) -> ArenaGeometry:
+        """A new layout's arena geometry; ValueError if a block cannot fit the capacity."""
+        return self.layouts.geometry_for(layout_id, block_bytes)
+
+    def add_layout(self, record: LayoutRecord) -> Layout:
+        """Add a layout (new, or recovered with its chunk files) unless it is known already."""
+        known = self.layouts.by_id.get(record.layout_id)
+        return known if known is not None else self.layouts.add(record)
+
+    def grow_for(self, layout: Layout, need: int) -> int:
+        """Create chunk files until ``need`` slots are free or the capacity is used; returns
+        how many slots are still missing (to be had by eviction)."""
+        while layout.index.num_free < need and self.layouts.can_grow(layout):
+            self.layouts.grow(layout)
+        return max(0, need - layout.index.num_free)
+
+    def restore(self, layout: Layout, entries: dict[bytes, SlotEntry]) -> None:
+        """Recovery: committed blocks back at their slots, READY but unverified (checked by
+        Integrity.verify_restored or by the first Lookup/ReadBlocks that would return them)."""
+        layout.index.insert_ready(entries)
+        layout.index.rebuild_free()
+        self.integrity.add_unverified(layout.layout_id, list(entries))
+
+    def count_evictions(self, n: int) -> None:
+        self.evictions += n
+
+    def close(self) -> None:
+        self.layouts.close()
 
     # -- lookup and leases ----------------------------------------------------------------
 
@@ -142,7 +178,7 @@ class HostStore:
             entry = entries.get(d)
             if entry is not None and (
                 entry.state is not ready
-                or ((verify or not entry.verified) and not self._verify(layout, d))
+                or ((verify or not entry.verified) and not self.integrity.verify(layout, d))
             ):
                 entry = None
             if entry is None:
@@ -163,44 +199,13 @@ class HostStore:
                 pinned.append((layout.layout_id, d))
         return GroupHit(q.group_idx, num_prefix, tuple(slots), tuple(generations))
 
-    def _verify(self, layout: Layout, digest: bytes) -> bool:
-        """Check a READY block's bytes; a mismatch takes it out of service (removal logged by
-        the sweeper) unless someone holds a pin on it, in which case it only misses now."""
-        entry = layout.index.entries[digest]
-        if layout.checksum(entry.slot) == entry.checksum:
-            layout.index.mark_verified(digest)
-            return True
-        log.error("checksum mismatch: layout %d slot %d", layout.layout_id, entry.slot)
-        if entry.pins == 0:
-            layout.index.mark_evicting(digest)
-            self.corrupt.add((layout.layout_id, digest))
-        return False
-
-    async def verify_restored(self, batch: int = 2048) -> tuple[int, int]:
-        """Background check of blocks restored at start and not yet looked up; returns
-        (verified, failed). Yields to the loop between batches so serving goes on."""
-        ok = failed = 0
-        while self.unverified:
-            for _ in range(min(batch, len(self.unverified))):
-                layout_id, digest = self.unverified.pop()
-                layout = self.layouts.by_id[layout_id]
-                entry = layout.index.entries.get(digest)
-                if entry is None or entry.verified or entry.state is not BlockState.READY:
-                    continue
-                if self._verify(layout, digest):
-                    ok += 1
-                else:
-                    failed += 1
-            await asyncio.sleep(0)
-        return ok, failed
-
     def release(self, engine_id: str, lease_id: str) -> int:
-        lease = self.leases.leases.get(lease_id)
+        lease = self.leases.get_lease(lease_id)
         if lease is None:
             raise FailedPrecondition(f"lease {lease_id!r} is unknown or expired")
         if lease.engine_id != engine_id:
             raise FailedPrecondition(f"lease {lease_id!r} belongs to another engine")
-        del self.leases.leases[lease_id]
+        self.leases.drop_lease(lease_id)
         self._unpin(lease.blocks)
         return len(lease.blocks)
 
@@ -218,15 +223,42 @@ class HostStore:
             self._unpin(lease.blocks)
         if self.metadata.is_in_doubt:
             return len(expired)  # a reservation may be committed by the write in doubt
-        gone: list[Reservation] = []
-        for res in list(self.leases.reservations.values()):
-            if res.expires_ms <= now and not res.committing:
-                gone.append(self.leases.reservations.pop(res.reservation_id))
+        gone = self.leases.take_expired_reservations(now)
         for res in gone:
-            self.free_reservation(res)
+            self._free_reservation(res)
         return len(expired) + len(gone)
 
-    def free_reservation(self, res: Reservation) -> int:
+    # -- reservations -----------------------------------------------------------------------
+
+    def new_reservation(
+        self, engine_id: str, layout: Layout, lora_name: str | None, ms: int
+    ) -> Reservation:
+        return self.leases.new_reservation(
+            engine_id, layout.layout_id, layout.record.group_idx, lora_name, ms
+        )
+
+    def reservation(self, engine_id: str, reservation_id: str) -> Reservation:
+        """The engine's open reservation, not being committed; FailedPrecondition otherwise."""
+        self.engine(engine_id)
+        res = self.leases.get_reservation(reservation_id)
+        if res is None:
+            raise FailedPrecondition(f"reservation {reservation_id!r} is unknown or expired")
+        if res.engine_id != engine_id:
+            raise FailedPrecondition(f"reservation {reservation_id!r} belongs to another engine")
+        if res.committing:
+            raise FailedPrecondition(f"reservation {reservation_id!r} is being committed")
+        return res
+
+    def close_reservation(self, reservation_id: str) -> None:
+        """Its commit is logged: the blocks it reserved are READY (or freed) already."""
+        self.leases.drop_reservation(reservation_id)
+
+    def abort_reservation(self, res: Reservation) -> int:
+        """Drop the reservation and free its slots; returns how many were freed."""
+        self.leases.drop_reservation(res.reservation_id)
+        return self._free_reservation(res)
+
+    def _free_reservation(self, res: Reservation) -> int:
         index = self.layouts.by_id[res.layout_id].index
         n = 0
         for d in res.digests:
@@ -240,18 +272,18 @@ class HostStore:
 
     def read_blocks(
         self, engine_id: str, group_idx: int, hashes: list[bytes]
-    ) -> list[tuple[bytes, bytes, int]]:
+    ) -> list[BlockData]:
         layout = self.layout_of(self.engine(engine_id), group_idx)
         self.check_count(len(hashes), "block_hashes")
-        out: list[tuple[bytes, bytes, int]] = []
+        out: list[BlockData] = []
         for i, d in enumerate(hashes):
             self.check_digest(d, f"block_hashes[{i}]")
             entry = layout.index.ready(d)
-            if entry is not None and not entry.verified and not self._verify(layout, d):
+            if entry is not None and not entry.verified and not self.integrity.verify(layout, d):
                 entry = None
             if entry is None:
                 raise NotFound(f"block_hashes[{i}] is not resident in group {group_idx}")
-            out.append((d, layout.arena.read(entry.slot), entry.checksum))
+            out.append(BlockData(d, layout.arena.read(entry.slot), entry.checksum))
         return out
 
     def stats(self) -> StoreStats:

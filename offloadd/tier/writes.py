@@ -19,15 +19,16 @@ import cbor2
 
 from events.hashing import to_wire
 from events.schema import BlockRemoved, BlockStored, Event, LogRecord
-from offloadd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from offloadd.errors import InvalidArgument, ResourceExhausted
 from offloadd.log import projection
 from offloadd.log.metadata import Append
 from offloadd.log.projection import Pipe, ProjectedBlock
-from offloadd.messages import BlockToStore, ReserveOutcome, ReserveStatus
+from offloadd.messages import BlockToStore, CommitOutcome, ReserveOutcome, ReserveStatus
 from offloadd.tier.index import BlockState, SlotEntry
 from offloadd.tier.layouts import Layout
 from offloadd.tier.leases import Reservation, wall_ms_after
-from offloadd.tier.store import DAEMON_SOURCE, HostStore
+from offloadd.tier.source import DAEMON_SOURCE
+from offloadd.tier.store import HostStore
 
 
 class StoreWriter:
@@ -45,17 +46,8 @@ class StoreWriter:
         layout = store.layout_of(store.engine(engine_id), group_idx)
         self._validate(layout, blocks)
         async with self._reserve_lock:  # eviction then allocation, without a rival in between
-            index = layout.index
-            need = 0
-            for b in blocks:
-                entry = index.entries.get(b.block_hash)
-                if entry is None:
-                    need += 1
-                elif entry.state is BlockState.READY:
-                    index.policy.touch(b.block_hash)  # wanted again: never this call's victim
-            while len(index.free) < need and store.layouts.can_grow(layout):
-                store.layouts.grow(layout)
-            short = need - len(index.free)
+            need = layout.index.count_missing([b.block_hash for b in blocks])
+            short = store.grow_for(layout, need)
             if short > 0:
                 await self.evict(layout, short)
             return self._allocate(layout, blocks, store.lease_ms(lease_ms), engine_id, lora_name)
@@ -88,10 +80,10 @@ class StoreWriter:
         generations: list[int] = []
         for b in blocks:
             generations.append(0)
-            entry = index.entries.get(b.block_hash)
+            entry = index.get(b.block_hash)
             if entry is not None:
                 if entry.state is BlockState.READY:
-                    index.policy.touch(b.block_hash)
+                    index.touch(b.block_hash)
                     out.append((ReserveStatus.ALREADY_STORED, -1))
                 else:
                     out.append((ReserveStatus.IN_FLIGHT, -1))
@@ -101,10 +93,8 @@ class StoreWriter:
                 out.append((ReserveStatus.NO_SPACE, -1))
                 continue
             if res is None:
-                res = self.store.leases.new_reservation(
-                    engine_id, layout.layout_id, layout.record.group_idx, lora_name, ms
-                )
-            generations[-1] = self.store.next_generation()
+                res = self.store.new_reservation(engine_id, layout, lora_name, ms)
+            generations[-1] = self.store.source.next_generation()
             index.reserve(b.block_hash, slot, SlotEntry(
                 slot, BlockState.RESERVED, b.parent_block_hash, tuple(b.token_ids),
                 b.extra_keys, lora_name, owner=res.reservation_id, generation=generations[-1],
@@ -136,57 +126,40 @@ class StoreWriter:
             pipe.hdel(key, *digests)
 
         def apply(record: LogRecord) -> None:
-            store.daemon_seq = record.source_seq
+            store.source.logged(record)
             for d in digests:
                 layout.index.remove(d)
             if count_as_eviction:
-                store.evictions += len(digests)
+                store.count_evictions(len(digests))
 
         await store.metadata.append(Append(
-            DAEMON_SOURCE, store.daemon_incarnation, self._next_seq, (event,), project, apply,
+            DAEMON_SOURCE, store.source.incarnation, store.source.next_seq, (event,), project, apply,
             # A failed eviction makes its victims READY again; corrupt blocks stay out of
             # service and are retried by the sweeper.
             revert=(lambda: layout.index.restore(digests)) if count_as_eviction else (lambda: None),
         ))
 
-    def _next_seq(self) -> int:
-        return self.store.daemon_seq + 1
-
     async def drop_corrupt(self) -> None:
         """Log the removal of blocks that failed their checksum on load."""
         store = self.store
-        by_layout: dict[int, list[bytes]] = {}
-        for layout_id, digest in sorted(store.corrupt):
-            by_layout.setdefault(layout_id, []).append(digest)
-        for layout_id, digests in by_layout.items():
-            await self._log_removal(store.layouts.by_id[layout_id], digests, count_as_eviction=False)
-            store.corrupt.difference_update((layout_id, d) for d in digests)
+        for layout_id, digests in store.integrity.corrupt_by_layout().items():
+            await self._log_removal(store.layout(layout_id), digests, count_as_eviction=False)
+            store.integrity.forget_corrupt(layout_id, digests)
 
     # -- Commit / Abort -------------------------------------------------------------------
 
-    def _reservation(self, engine_id: str, reservation_id: str) -> Reservation:
-        self.store.engine(engine_id)
-        res = self.store.leases.reservations.get(reservation_id)
-        if res is None:
-            raise FailedPrecondition(f"reservation {reservation_id!r} is unknown or expired")
-        if res.engine_id != engine_id:
-            raise FailedPrecondition(f"reservation {reservation_id!r} belongs to another engine")
-        if res.committing:
-            raise FailedPrecondition(f"reservation {reservation_id!r} is being committed")
-        return res
-
-    async def commit(self, engine_id: str, reservation_id: str, subset: list[bytes]) -> tuple[int, int]:
+    async def commit(self, engine_id: str, reservation_id: str, subset: list[bytes]) -> CommitOutcome:
         store = self.store
         await store.metadata.resolve()  # a retried Commit must see how the last attempt ended
-        res = self._reservation(engine_id, reservation_id)
+        res = store.reservation(engine_id, reservation_id)
         wanted = set(subset)
         for i, d in enumerate(subset):
             if d not in res.digests:
                 raise InvalidArgument(f"block_hashes[{i}] is not part of reservation {reservation_id!r}")
         chosen = [d for d in res.digests if not wanted or d in wanted]
         rest = [d for d in res.digests if wanted and d not in wanted]
-        layout = store.layouts.by_id[res.layout_id]
-        entries = {d: layout.index.entries[d] for d in chosen}
+        layout = store.layout(res.layout_id)
+        entries = {d: layout.index.entry(d) for d in chosen}
         sums = {d: layout.checksum(e.slot) for d, e in entries.items()}
         events = stored_events(layout, res.lora_name, chosen, entries)
         blocks_key = store.metadata.keys.blocks(layout.layout_id)
@@ -203,12 +176,12 @@ class StoreWriter:
             pipe.hset(layouts_key, layout.record.identity, projection.encode(layout.record))
 
         def apply(record: LogRecord) -> None:
-            store.daemon_seq = record.source_seq
+            store.source.logged(record)
             for d in chosen:
                 layout.index.commit(d, sums[d])
             for d in rest:
                 layout.index.unreserve(d)
-            store.leases.reservations.pop(reservation_id, None)
+            store.close_reservation(reservation_id)
 
         def revert() -> None:
             res.committing = False
@@ -216,18 +189,16 @@ class StoreWriter:
         res.committing = True
         try:
             record = await store.metadata.append(Append(
-                DAEMON_SOURCE, store.daemon_incarnation, self._next_seq, tuple(events), project,
+                DAEMON_SOURCE, store.source.incarnation, store.source.next_seq, tuple(events), project,
                 apply, revert,
             ))
         finally:
             if not store.metadata.is_in_doubt:
                 res.committing = False
-        return len(chosen), record.offset
+        return CommitOutcome(len(chosen), record.offset)
 
     def abort(self, engine_id: str, reservation_id: str) -> int:
-        res = self._reservation(engine_id, reservation_id)
-        del self.store.leases.reservations[reservation_id]
-        return self.store.free_reservation(res)
+        return self.store.abort_reservation(self.store.reservation(engine_id, reservation_id))
 
 
 def decode_extra_keys(data: bytes, what: str) -> tuple[Any, ...] | None:

@@ -9,7 +9,14 @@ import grpc
 import pytest
 from kvcache.v1 import log_pb2_grpc
 
-from offloadd.client import BlockToStore, GroupQuery, GroupSpec, OffloadClient, OffloadClientError
+from offloadd.client import (
+    BlockToStore,
+    GroupQuery,
+    GroupSpec,
+    NotRegistered,
+    OffloadClient,
+    OffloadClientError,
+)
 from tests.offloadd.conftest import GROUP, SLOT, chain, digest
 from tests.support.offloadd_proc import DaemonProcess
 
@@ -89,6 +96,30 @@ def test_bad_requests(daemon: DaemonProcess, client: OffloadClient) -> None:
     assert after[1] == before[1]
     assert (after[0].num_blocks, after[0].log_offset) == (before[0].num_blocks, before[0].log_offset)
     assert client.lookup("e", [GroupQuery(0, tuple(b.block_hash for b in chain(2)))]).results[0].num_prefix == 2
+
+
+def test_unregistered_engine_raises_not_registered(client: OffloadClient) -> None:
+    """Engines tell "register again" apart by type (a trailer on the wire), not by message."""
+    client.register_engine("e", 1, "m", [GROUP])
+    q = GroupQuery(0, (H,))
+    calls: list[Callable[[], Any]] = [
+        lambda: client.lookup("nobody", [q]),
+        lambda: client.lookup("nobody", [q], pin=True),
+        lambda: client.lookup_future("nobody", [q]).result(timeout=5),
+        lambda: client.reserve("nobody", 0, chain(1)),
+        lambda: client.read_blocks("nobody", 0, [H]),
+    ]
+    for call in calls:
+        with pytest.raises(NotRegistered) as err:
+            call()
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "is not registered; call RegisterEngine" in err.value.message
+    # Other refusals stay plain, even when their message says "not registered".
+    for call in [lambda: client.lookup("e", [GroupQuery(3, (H,))]),
+                 lambda: client.release("e", "nope")]:
+        with pytest.raises(OffloadClientError) as other:
+            call()
+        assert not isinstance(other.value, NotRegistered)
 
 
 def test_garbage_bytes(daemon: DaemonProcess, client: OffloadClient) -> None:

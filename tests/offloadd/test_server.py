@@ -110,32 +110,23 @@ def test_cli_errors_without_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in dead.stderr
 
 
-def test_async_client(daemon: DaemonProcess) -> None:
-    import asyncio
-
-    from offloadd.client import AsyncOffloadClient
-
-    async def scenario() -> tuple[int, int, int]:
-        c = AsyncOffloadClient(daemon.target)
-        try:
-            reg = await c.register_engine("a", 1, "m", [GROUP])
-            arena = reg.map_arena(0)
-            res = await c.reserve("a", 0, chain(2))
-            for _, slot in res.blocks:
-                arena.write(slot, bytes([slot]) * SLOT)
-            committed = await c.commit("a", res.reservation_id)
-            found = await c.lookup("a", [GroupQuery(0, tuple(b.block_hash for b in chain(2)))], pin=True)
-            assert found.results[0].generations == res.generations and min(res.generations) > 0
-            released = await c.release("a", found.lease_id)
-            data = await c.read_blocks("a", 0, [chain(2)[1].block_hash])
-            records = [r async for r in c.subscribe(1)]
-            assert data[0].data == bytes([found.results[0].slots[1]]) * SLOT
-            assert (await c.snapshot()).offset == records[-1].offset == committed.log_offset
-            return committed.num_committed, found.results[0].num_prefix, released
-        finally:
-            await c.close()
-
-    assert asyncio.run(scenario()) == (2, 2, 2)
+def test_client_round_trip(daemon: DaemonProcess) -> None:
+    """Every OffloadStore and EventLog call of the one client, end to end."""
+    with OffloadClient(daemon.target) as c:
+        reg = c.register_engine("a", 1, "m", [GROUP])
+        arena = reg.map_arena(0)
+        res = c.reserve("a", 0, chain(2))
+        for _, slot in res.blocks:
+            arena.write(slot, bytes([slot]) * SLOT)
+        committed = c.commit("a", res.reservation_id)
+        found = c.lookup("a", [GroupQuery(0, tuple(b.block_hash for b in chain(2)))], pin=True)
+        assert found.results[0].generations == res.generations and min(res.generations) > 0
+        released = c.release("a", found.lease_id)
+        data = c.read_blocks("a", 0, [chain(2)[1].block_hash])
+        records = list(c.subscribe(1))
+        assert data[0].data == bytes([found.results[0].slots[1]]) * SLOT
+        assert c.snapshot().offset == records[-1].offset == committed.log_offset
+    assert (committed.num_committed, found.results[0].num_prefix, released) == (2, 2, 2)
 
 
 def test_client_retries_network_errors_only(tmp_path: Path, redis_url: str, namespace: str) -> None:

@@ -15,6 +15,7 @@ from events.schema import BlockRemoved, BlockStored
 from events.state import CacheState
 from offloadd.client import (
     GroupQuery,
+    NotRegistered,
     OffloadClient,
     OffloadClientError,
     ReserveStatus,
@@ -263,7 +264,7 @@ def test_lookup_future_answers_as_lookup_does(client: OffloadClient) -> None:
     assert fut.done()
     assert got.results == client.lookup("e", q).results and got.lease_id
     assert client.release("e", got.lease_id) == 3
-    with pytest.raises(OffloadClientError, match="not registered"):
+    with pytest.raises(NotRegistered, match="not registered"):
         client.lookup_future("nobody", q).result(timeout=5)
     with pytest.raises(OffloadClientError, match="INVALID_ARGUMENT"):
         client.lookup_future("e", [GroupQuery(0, (b"short",))]).result(timeout=5)

@@ -17,7 +17,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from events.schema import BlockStored
 from offloadd.client import (
-    AsyncOffloadClient,
     ClientSecurity,
     IngestStream,
     OffloadClient,
@@ -136,7 +135,7 @@ def test_health_is_open_reflection_is_not(locked_daemon: SecureDaemon, pki: Pki)
                 assert "kvcache.v1.OffloadStore" in {s.name for s in reply_r.list_services_response.service}
 
 
-def test_ingest_stream_and_async_client_with_tls_and_token(locked_daemon: SecureDaemon, pki: Pki) -> None:
+def test_ingest_stream_and_client_with_tls_and_token(locked_daemon: SecureDaemon, pki: Pki) -> None:
     sec = ClientSecurity.from_files(pki.ca.ca_file, pki.client.cert, pki.client.key)
     stream = IngestStream(locked_daemon.target, "eng-sec", 7, credentials=sec.credentials, token=TOKEN)
     try:
@@ -155,19 +154,11 @@ def test_ingest_stream_and_async_client_with_tls_and_token(locked_daemon: Secure
     finally:
         unauth.close()
 
-    import asyncio
-
-    async def read() -> list[int]:
-        client = AsyncOffloadClient(locked_daemon.target, credentials=sec.credentials, token=TOKEN)
-        try:
-            assert (await client.stats()).num_blocks == 0
-            hashes = []
-            async for record in client.subscribe(1):
-                hashes += [h for e in record.events if isinstance(e, BlockStored) for h in e.block_hashes]
-            return hashes
-        finally:
-            await client.close()
-    assert asyncio.run(read()) == [100, 101, 102, 103, 104]
+    with OffloadClient(locked_daemon.target, credentials=sec.credentials, token=TOKEN) as client:
+        assert client.stats().num_blocks == 0
+        hashes = [h for record in client.subscribe(1) for e in record.events
+                  if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert hashes == [100, 101, 102, 103, 104]
 
 
 def test_unix_socket_is_owner_only_by_default(tls_daemon: SecureDaemon) -> None:
