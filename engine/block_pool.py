@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.errors import EngineError
 from events.hashing import to_wire
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event, SpecKind
 
@@ -36,7 +37,7 @@ class Block:
     depth: int = 0
 
 
-class NoFreeBlocks(RuntimeError):
+class NoFreeBlocks(EngineError, RuntimeError):
     """allocate() was asked for more blocks than are free (callers check num_free_blocks first)."""
 
 

@@ -172,12 +172,13 @@ class EngineCore:
         ]
         try:
             logits = self.runner.execute(out, sample_rows, self.connector.take_layer_waits())
-        except BaseException:
-            self.connector.store([])  # completes the step's loads
-            self.connector.step_done()  # and releases their pins
-            raise
-        try:
             return self._finish_step(out.scheduled, logits, sample_rows)
+        except BaseException:
+            # The failed step's loads are completed and checked all the same, so that their
+            # pins are released and the stores held for them settled (nothing is redone).
+            self.connector.finish_loads()
+            self.connector.check_loads()
+            raise
         finally:
             # The connector's background work starts only now: its worker thread never holds
             # the GIL while this thread waits for the tokens or makes the outputs.
@@ -190,10 +191,12 @@ class EngineCore:
         for s in scheduled:
             s.request.num_computed_tokens = s.start + s.num_new_tokens
             new_blocks.extend(self.kv.register_full_blocks(s.request))
-        # Before any request finishes, so the blocks are still the request's own; the copies it
-        # needs are enqueued behind the step, before the tokens are read. All of this runs
+        # The connector's steps, in order (engine.kv_connector). Before any request finishes,
+        # so the blocks are still the request's own; the copies a store needs are enqueued
+        # behind the step and the step's loads, before the tokens are read. All of this runs
         # while the GPU works and before the loads that started from the engine's view of
         # the host tier are checked (the check waits for their copies to complete).
+        self.connector.finish_loads()
         self.connector.store(new_blocks)
         redo = self.connector.check_loads()
         if redo:

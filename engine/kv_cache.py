@@ -30,6 +30,16 @@ class KVCacheGroupSpec:
     layer_ids: tuple[int, ...]
 
 
+def first_visible_block(num_tokens: int, sliding_window: int | None, block_size: int) -> int:
+    """The sliding window's rule: blocks before this index are invisible to every query at
+    positions >= ``num_tokens`` (a query at p sees keys (p - window, p]); 0 for full attention.
+    The KV manager frees (and a load skips) the blocks before it; the step's attention starts
+    its keys there."""
+    if sliding_window is None:
+        return 0
+    return max(0, num_tokens - sliding_window + 1) // block_size
+
+
 @dataclass(frozen=True)
 class KVCacheGroup:
     """A group's spec and its KV tensor, as the model runner and the offload connector see it."""

@@ -1,12 +1,25 @@
 """Hook points for an offload connector (a second KV tier), and the null connector.
 
-The scheduler calls ``lookup``/``load`` on admission, after the GPU prefix-cache hit; the engine
-takes the loads still in flight (``take_layer_waits``) and runs the step waiting for each layer's
-load right before that layer, calls ``store`` with the blocks that became full and got their hash
-in the step, then asks which loads proved wrong (``check_loads``; both before it reads the step's
-tokens), ``step_done`` once the step's outputs are made, and ``request_finished`` when a request
-leaves. The real connector (engine/offload/connector.py) talks to offloadd; the engine core
-only knows this protocol.
+The engine core only knows this protocol; the real connector (engine/offload/connector.py)
+talks to offloadd. Its calls, in order:
+
+- at start: ``register_kv_caches`` once;
+- at admission (the scheduler), after the GPU prefix-cache hit: ``lookup``, then ``load`` into
+  the blocks allocated for the hit (any number of requests);
+- one step, every step that ran:
+
+  1. ``take_layer_waits`` right before the step; the step waits for each layer's loads right
+     before that layer;
+  2. ``finish_loads`` once the step is enqueued: every load of the step complete in stream
+     order, whatever the step did;
+  3. ``store`` with the blocks that became full and got their hash in the step;
+  4. ``check_loads`` before the step's tokens are read: which loads proved wrong;
+  5. ``step_done`` once the step's outputs are made.
+
+  A step that raised still calls ``finish_loads``, ``check_loads`` and ``step_done`` (not
+  ``store``), whether or not it had reached them: a repeated ``finish_loads`` or
+  ``check_loads`` finds nothing left and does nothing;
+- ``request_finished`` when a request leaves (finished, aborted or preempted).
 """
 
 from __future__ import annotations
@@ -61,12 +74,24 @@ class OffloadConnector(Protocol):
     ) -> None:
         """Copy the KV of ``digests`` into the freshly allocated GPU blocks ``block_ids[group]``
         (aligned with ``digests``). Raises before copying anything on bad input. The copy is
-        complete before the step, or completes layer by layer (``take_layer_waits``)."""
+        complete before the step, or completes layer by layer (``take_layer_waits``) and at
+        the latest by ``finish_loads``."""
         ...
 
     def take_layer_waits(self) -> LayerWaits | None:
         """Right before the step: the loads it must wait for per layer, or None when every load
-        is already complete in stream order. Whatever the step did, ``store`` completes them."""
+        is already complete in stream order."""
+        ...
+
+    def finish_loads(self) -> None:
+        """Once the step is enqueued, whatever it did (it may not have waited for every layer):
+        every load issued for it is complete in stream order, so that what follows on the
+        compute stream (the store's snapshot, the next step) sees the loaded blocks."""
+        ...
+
+    def store(self, new_blocks: Sequence[NewBlocks]) -> None:
+        """After ``finish_loads``: the blocks that became full and hashed in the step. Must not
+        block generation; touches no load (with no blocks it does nothing)."""
         ...
 
     def check_loads(self) -> set[str]:
@@ -76,15 +101,9 @@ class OffloadConnector(Protocol):
         drops their result and admits them again."""
         ...
 
-    def store(self, new_blocks: Sequence[NewBlocks]) -> None:
-        """After a step: blocks that became full and hashed in it. Must not block generation.
-        Called after every step that ran, before ``check_loads``, first of all completing its
-        loads (stream order)."""
-        ...
-
     def step_done(self) -> None:
         """After every step that ran (whatever happened), once its outputs are made: what
-        ``store`` prepared may go to the background now."""
+        ``finish_loads``, ``store`` and ``check_loads`` prepared may go to the background now."""
         ...
 
     def request_finished(self, request_id: str) -> None:
@@ -109,11 +128,14 @@ class NullConnector:
     def take_layer_waits(self) -> LayerWaits | None:
         return None
 
-    def check_loads(self) -> set[str]:
-        return set()
+    def finish_loads(self) -> None:
+        pass
 
     def store(self, new_blocks: Sequence[NewBlocks]) -> None:
         pass
+
+    def check_loads(self) -> set[str]:
+        return set()
 
     def step_done(self) -> None:
         pass

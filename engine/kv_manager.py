@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.block_pool import NULL_BLOCK_ID, BlockPool, all_blocks_cleared
-from engine.kv_cache import KVCacheGroupSpec
+from engine.kv_cache import KVCacheGroupSpec, first_visible_block
 from engine.kv_connector import NewBlocks
 from engine.request import Request
 from events.hashing import BlockHasher
@@ -42,18 +42,13 @@ class KVCacheManager:
         self._events.clear()
         return out
 
-    def _first_needed_block(self, pool: BlockPool, num_computed: int) -> int:
-        """Blocks before this index are invisible to every query at positions >= num_computed."""
-        if pool.sliding_window is None:
-            return 0
-        return max(0, num_computed - pool.sliding_window + 1) // self.block_size
-
     def find_prefix_hit(self, req: Request) -> tuple[int, list[bytes]]:
         """Longest usable cached prefix in blocks, and the digests of the request's full blocks
         (at least one token is always left to compute, so the last token's logits exist)."""
         if not self.enable_prefix_caching:
             return 0, []
-        digests = req.block_digests(self.hasher, (req.num_tokens - 1) // self.block_size)
+        bs = self.block_size
+        digests = req.block_digests(self.hasher, (req.num_tokens - 1) // bs)
         limit = len(digests)
         for pool in self.pools:
             if pool.sliding_window is None:
@@ -67,7 +62,7 @@ class KVCacheManager:
                 pool.get_cached_block(d) is not None
                 for pool in self.pools
                 if pool.sliding_window is not None
-                for d in digests[self._first_needed_block(pool, n * self.block_size) : n]
+                for d in digests[first_visible_block(n * bs, pool.sliding_window, bs) : n]
             ):
                 return n, digests
         return 0, digests
@@ -83,12 +78,12 @@ class KVCacheManager:
         total = _cdiv(num_computed + num_new_tokens, bs)
         plans: list[tuple[BlockPool, list[int], int, int]] = []
         for pool in self.pools:
-            first = min(self._first_needed_block(pool, num_hit * bs), num_hit)
+            first = min(first_visible_block(num_hit * bs, pool.sliding_window, bs), num_hit)
             cached = pool.hash_to_block
             hits = [NULL_BLOCK_ID] * first + [cached[d] for d in digests[first:num_hit]]
             # Loaded sliding-window blocks that are already outside the window stay null: never
             # read, so neither allocated, loaded nor hashed (the offload tier needs only the window).
-            skip = min(self._first_needed_block(pool, num_computed), num_hit + num_external) - num_hit
+            skip = min(first_visible_block(num_computed, pool.sliding_window, bs), num_hit + num_external) - num_hit
             skip = max(0, skip)
             need = total - num_hit - skip
             if pool.num_free_blocks - pool.num_reclaimable(hits) < need:
@@ -111,7 +106,7 @@ class KVCacheManager:
         table = self.block_tables[req.request_id]
         total = _cdiv(req.num_computed_tokens + num_new_tokens, self.block_size)
         for pool, blocks in zip(self.pools, table, strict=True):
-            first = self._first_needed_block(pool, req.num_computed_tokens)
+            first = first_visible_block(req.num_computed_tokens, pool.sliding_window, self.block_size)
             stale = [b for b in blocks[:first] if b != NULL_BLOCK_ID]
             if stale:
                 pool.free(list(reversed(stale)))

@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from engine.kv_cache import KVCacheGroup
+from engine.kv_cache import KVCacheGroup, first_visible_block
 from engine.kv_connector import LayerWaits
 from engine.kv_manager import KVCacheManager
 from engine.model.llama import LlamaForCausalLM
@@ -251,7 +251,7 @@ class ModelRunner:
         bs = self.block_size
         batch, max_q = len(starts), max(lens)
         # Keys visible to this step: [lo, start + n) per request; lo skips what the window hides.
-        los = [0 if window is None else max(0, st - window + 1) // bs * bs for st in starts]
+        los = [first_visible_block(st, window, bs) * bs for st in starts]
         his = [st + n for st, n in zip(starts, lens, strict=True)]
         nb = max(-(-h // bs) - lo // bs for lo, h in zip(los, his, strict=True))
         nb = -(-nb // self._blocks_multiple) * self._blocks_multiple

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.kv_cache import KVCacheGroup
+from engine.kv_cache import KVCacheGroup, first_visible_block
 from engine.model.llama import LlamaForCausalLM
 from engine.offload.cuda_runtime import CudaArray
 
@@ -215,7 +215,7 @@ class StepGraphs:
         blocks = []
         for group in self.groups:
             window = group.spec.sliding_window
-            nb = max(-(-(x.start + len(x.token_ids)) // bs) - _first_block(x.start, window, bs) for x in rows)
+            nb = max(-(-(x.start + len(x.token_ids)) // bs) - first_visible_block(x.start, window, bs) for x in rows)
             nb = max(self._min_blocks, _blocks_bucket(nb))
             # Transient per layer: float32 scores [R, Hq, Q, K] and the gathered K and V
             # (counted at 4 bytes an element, an upper bound).
@@ -318,7 +318,7 @@ class StepGraphs:
         for g, group in enumerate(self.groups):
             nb = shape.blocks[g]
             window = group.spec.sliding_window
-            firsts = [_first_block(x.start, window, bs) for x in rows]
+            firsts = [first_visible_block(x.start, window, bs) for x in rows]
             values += [f * bs for f in firsts] + [0] * pad
             for x, f in zip(rows, firsts, strict=True):
                 table = x.tables[group.spec.group_idx][f : f + nb]
@@ -377,8 +377,3 @@ def _blocks_bucket(n: int) -> int:
     """Blocks per row, rounded up: to a power of two up to 64, then to a multiple of 64 (few
     shapes to capture, and never 2x the keys to read for a long context)."""
     return _pow2(n) if n <= 64 else -(-n // 64) * 64
-
-
-def _first_block(start: int, window: int | None, bs: int) -> int:
-    """First block any query at or after ``start`` can see (the window hides earlier ones)."""
-    return 0 if window is None else max(0, start - window + 1) // bs

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine.errors import EngineError
+
 CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2
 CUDA_MEMCPY_DEFAULT = 4
 CUDA_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
@@ -26,7 +28,7 @@ BATCH_UNSUPPORTED_ERRORS = frozenset({35, 36, 801})
 log = logging.getLogger(__name__)
 
 
-class BatchUnsupportedError(RuntimeError):
+class BatchUnsupportedError(EngineError, RuntimeError):
     """cudaMemcpyBatchAsync exists but this driver cannot run it; nothing was enqueued."""
 
 

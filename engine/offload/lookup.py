@@ -1,4 +1,5 @@
-"""Which host-tier prefix an admission can load: the keys to look up and the hit rule.
+"""Which host-tier prefix an admission can load: the keys to look up, the hit rule, and the
+copies that load a hit.
 
 Offloaded block ``s`` covers engine blocks ``[s*k, s*k+k)`` and is keyed by the digest of the
 last one (the chain covers everything before it). The first one looked up is the one holding
@@ -13,6 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
+from engine.block_pool import NULL_BLOCK_ID
+from engine.kv_cache import KVCacheGroup, first_visible_block
+from engine.offload.copies import ArenaBlocks
+from engine.offload.layerwise import GroupLoad
 
 
 @dataclass(frozen=True)
@@ -30,14 +38,6 @@ def lookup_keys(digests: Sequence[bytes], num_gpu_hit: int, k: int) -> tuple[int
     that holds engine block ``num_gpu_hit`` on."""
     first = num_gpu_hit // k
     return first, tuple(digests[first * k + k - 1 : len(digests) // k * k : k])
-
-
-def first_needed_block(num_tokens: int, sliding_window: int | None, block_size: int) -> int:
-    """Engine blocks before this index are invisible to every query at positions >= num_tokens
-    (the engine's KVCacheManager rule)."""
-    if sliding_window is None:
-        return 0
-    return max(0, num_tokens - sliding_window + 1) // block_size
 
 
 def hit_length(
@@ -61,4 +61,37 @@ def hit_length(
 
 def _needed_from(g: GroupHitInput, end: int, num_gpu_hit: int, k: int, block_size: int) -> int:
     """First offloaded block a sliding group must load when ``end`` engine blocks are computed."""
-    return max(num_gpu_hit, first_needed_block(end * block_size, g.sliding_window, block_size)) // k
+    return max(num_gpu_hit, first_visible_block(end * block_size, g.sliding_window, block_size)) // k
+
+
+def plan_load(
+    groups: Sequence[KVCacheGroup], arenas: Mapping[int, ArenaBlocks], k: int,
+    slots: Mapping[int, Sequence[int]], start: int, block_ids: Mapping[int, Sequence[int]], n: int,
+) -> tuple[list[GroupLoad], dict[int, set[int]], int]:
+    """The copies of a hit of ``n`` engine blocks that starts ``start`` engine blocks into its
+    first offloaded block (``slots``: per group, the slot of each offloaded block from that one
+    on; ``block_ids``: per group, the GPU blocks, null where the window hides the block).
+    Returns per group the GPU blocks and arena slots in engine blocks, per group the offloaded
+    blocks read, and the bytes moved. Raises on bad input."""
+    # In numpy: a 4096-token hit plans 256 blocks, on the host's path to its first copy.
+    positions = np.arange(start, start + n)  # engine blocks from the first offloaded block on
+    plan: list[GroupLoad] = []
+    used: dict[int, set[int]] = {}
+    nbytes = 0
+    for g in groups:
+        gi = g.spec.group_idx
+        ids = np.asarray(block_ids[gi][:n], dtype=np.int64)
+        if len(ids) != n:
+            raise RuntimeError(f"group {gi}: {len(ids)} block ids for a load of {n} blocks")
+        # Null ids: sliding-window blocks already outside the window, left unloaded.
+        keep = ids != NULL_BLOCK_ID
+        pos = positions if keep.all() else positions[keep]
+        offloaded = pos // k
+        group_slots = np.asarray(slots[gi], dtype=np.int64)[offloaded]
+        if (group_slots < 0).any():
+            raise RuntimeError(f"group {gi}: asked to load a block the lookup did not find")
+        used[gi] = set(offloaded.tolist())
+        plan.append(GroupLoad(gi, arenas[gi], g.tensor, ids[keep].tolist(),
+                              (group_slots * k + pos % k).tolist()))
+        nbytes += len(pos) * g.block_bytes
+    return plan, used, nbytes

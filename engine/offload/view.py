@@ -1,13 +1,12 @@
 """What this engine knows of the host tier: where its blocks sit, to load them without asking.
 
-A CPU-tier hit used to wait for the pinning Lookup (a gRPC round trip, ~1-1.8 ms on an H200
-host) before its first copy; sending it while the copies ran still cost the engine thread the
-client's work in the middle of the launch. The engine already knows where most of its hits sit:
-it stored them itself (each Reserve answers a slot and that assignment's *generation*) and
-earlier lookups answered more. The daemon publishes, in a table in shared memory beside the
-arena, the generation of the block each slot serves now (0 for none: offloadd.arena
-``SlotGenerations``). A generation names one assignment of a slot and is never reused. So the
-connector loads from the view with no RPC at all (engine.offload.connector, DECISIONS 22):
+A pinning Lookup before a CPU-tier hit's first copy is a gRPC round trip on the hit's critical
+path (DECISIONS 20-22 say what it cost). The engine knows where most of its hits sit: it stored
+them itself (each Reserve answers a slot and that assignment's *generation*) and earlier
+lookups answered more. The daemon publishes, in a table in shared memory beside the arena, the
+generation of the block each slot serves now (0 for none: offloadd.arena ``SlotGenerations``).
+A generation names one assignment of a slot and is never reused. So the connector loads from
+the view with no RPC at all (engine.offload.loads, DECISIONS 22):
 
 - before the copies, it keeps only the view's entries whose slot still shows their generation
   (a stale entry is simply not used: the request asks first);
@@ -26,12 +25,14 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from engine.kv_cache import KVCacheGroup
+from engine.offload.lookup import GroupHitInput, hit_length
 from offloadd.client import GroupQuery
 
 
@@ -140,3 +141,26 @@ def leading(slots: Sequence[int]) -> int:
         return slots.index(-1)
     except ValueError:
         return len(slots)
+
+
+def vouched_hit(
+    view: TierView, tables: Mapping[int, np.ndarray], groups: Sequence[KVCacheGroup],
+    keys: Sequence[bytes], first: int, num_gpu_hit: int, k: int, block_size: int,
+) -> dict[int, tuple[list[int], list[int]]] | None:
+    """Per group, the (slot, generation) of each key from the view, when the generation tables
+    vouch for enough of them to load every key (engine.offload.lookup's hit rule); slots they
+    do not vouch for are -1. None otherwise, or without a table per group: ask first (the
+    daemon may know more than the view)."""
+    if len(tables) != len(groups):
+        return None
+    known: dict[int, tuple[list[int], list[int]]] = {}
+    inputs: dict[int, GroupHitInput] = {}
+    for g in groups:
+        gi = g.spec.group_idx
+        slots, gens = view.find(gi, keys)
+        slots = vouched(tables[gi], slots, gens)
+        known[gi] = (slots, gens)
+        inputs[gi] = GroupHitInput(g.spec.sliding_window, leading(slots), tuple(slots))
+    if hit_length(inputs, len(keys), first, num_gpu_hit, k, block_size) < len(keys):
+        return None
+    return known

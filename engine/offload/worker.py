@@ -26,6 +26,7 @@ from offloadd.client import (
     BlockToStore,
     GroupQuery,
     LookupOutcome,
+    NotRegistered,
     OffloadClient,
     OffloadClientError,
     ReserveStatus,
@@ -131,7 +132,7 @@ class OffloadWorker:
     def _failed(self, what: str, exc: OffloadClientError) -> None:
         log.warning("offload %s failed: %s", what, exc)
         self.metrics.add(errors=1)
-        if "not registered" in exc.message:
+        if isinstance(exc, NotRegistered):
             self.on_unregistered()
 
     def _store(self, job: StoreJob) -> None:

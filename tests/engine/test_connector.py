@@ -110,7 +110,7 @@ def test_store_then_cpu_hit_equals_reference(model: Path, daemon: DaemonProcess,
     assert s["load_copy_seconds"] > 0
     assert s["blocks_already_stored"] == 0  # loaded blocks are not stored back
     if path != "whole":
-        assert conn._loader is not None and conn._loader.issued == {"kernel": groups}  # one load per group, on CPU
+        assert conn.loads.loader is not None and conn.loads.loader.issued == {"kernel": groups}  # one load per group, on CPU
     with OffloadClient(daemon.target) as c:  # the load's lease was released
         assert sum(x.num_pinned for x in c.stats().layouts) == 0
     conn.close()
@@ -137,7 +137,7 @@ def test_a_stale_view_of_the_host_tier_is_not_used(model: Path, daemon: DaemonPr
     llm.generate(a, GREEDY)
     assert conn.flush() and llm.reset_prefix_cache()
     digests = llm.engine.hasher.hash_blocks(a)
-    before = {g.spec.group_idx: conn.view.find(g.spec.group_idx, digests) for g in llm.engine.kv_groups}
+    before = {g.spec.group_idx: conn.tier.view.find(g.spec.group_idx, digests) for g in llm.engine.kv_groups}
     daemon.kill()
     daemon.restart()
     got = llm.generate([a], GREEDY)
@@ -147,7 +147,7 @@ def test_a_stale_view_of_the_host_tier_is_not_used(model: Path, daemon: DaemonPr
     s = conn.stats()
     assert (s["speculative_loads"], s["speculation_failed"], s["errors"]) == (0, 0, 0)
     for gi, (slots, gens) in before.items():  # same slots, new generations, learned
-        now_slots, now_gens = conn.view.find(gi, digests)
+        now_slots, now_gens = conn.tier.view.find(gi, digests)
         known = [i for i, x in enumerate(slots) if x >= 0]
         assert known and all(now_slots[i] == slots[i] and now_gens[i] > gens[i] for i in known)
     assert llm.reset_prefix_cache()
@@ -206,7 +206,7 @@ def test_a_slot_given_away_during_the_load_redoes_the_step(model: Path, daemon: 
             block = pool.get_cached_block(digests_a[3])
             assert block is not None
             (held,) = client.read_blocks("e1", gi, [digests_a[3]])
-            mine = conn.arenas[gi].gather(g.tensor, [block])
+            mine = conn.tier.arenas[gi].gather(g.tensor, [block])
             assert held.data == mine.numpy().tobytes()
         assert sum(x.num_pinned for x in client.stats().layouts) == 0
     conn.close()
@@ -306,7 +306,7 @@ def test_without_a_generation_table_every_hit_asks_first(plain_model: Path, daem
     llm, ref = _llm(plain_model, conn), _llm(plain_model)
     for path in daemon.arena_dir.glob("*-Cgen"):
         path.unlink()
-    conn._register()  # maps what the daemon offers now
+    conn.tier.register()  # maps what the daemon offers now
     prompt = _prompt(4 * BS + 3, 33)
     want = ref.generate(prompt, GREEDY)[0].outputs[0].token_ids
     llm.generate(prompt, GREEDY)
@@ -405,7 +405,7 @@ def test_config_refuses_bad_values(kwargs: dict[str, object], message: str) -> N
 def test_load_lease_is_released_after_the_step(plain_model: Path, daemon: DaemonProcess) -> None:
     """The worker thread is not woken during admission (it would share the GIL with the step
     being launched) nor before the step's outputs are made: a load's lease goes back with the
-    step's store() and step_done() calls."""
+    step's finish_loads() and step_done() calls."""
     conn = _connector(daemon, speculate=False)  # a load from the view pins nothing
     llm = _llm(plain_model, conn)
     prompt = _prompt(4 * BS + 3, 9)
@@ -419,7 +419,8 @@ def test_load_lease_is_released_after_the_step(plain_model: Path, daemon: Daemon
         with OffloadClient(daemon.target) as c:
             return sum(x.num_pinned for x in c.stats().layouts)
 
-    conn.store([])  # the step is over: its loads complete in stream order
+    conn.finish_loads()  # the step is over: its loads complete in stream order
+    conn.store([])
     assert conn.check_loads() == set()
     assert pinned() == 4  # the release is prepared, not yet handed over
     assert conn.worker is not None and conn.worker.wait_idle(5)
@@ -428,4 +429,41 @@ def test_load_lease_is_released_after_the_step(plain_model: Path, daemon: Daemon
     assert conn.flush()
     assert pinned() == 0
     assert conn.stats()["blocks_loaded"] == 4
+    conn.close()
+
+
+def test_the_step_finishes_its_loads_only_when_told(plain_model: Path, daemon: DaemonProcess) -> None:
+    """The connector's steps are explicit calls, in order (engine.kv_connector): store()
+    touches no load, even with no blocks; a load from the view, layer by layer on CPU, is
+    copied by finish_loads() (the step waited for no layer here) and checked by the
+    check_loads() that follows it, which reports the hit to the daemon after step_done()."""
+    conn = _connector(daemon)  # layer by layer, loads from the view
+    llm = _llm(plain_model, conn)
+    prompt = _prompt(4 * BS + 3, 10)
+    llm.generate(prompt, GREEDY)
+    assert conn.flush() and llm.reset_prefix_cache()
+    kv = llm.engine.kv_groups[0].tensor
+    want = kv[1:5].clone()  # blocks 1-4 held the prompt's blocks (ascending ids)
+    kv[1:5] = 0
+    digests = llm.engine.hasher.hash_blocks(prompt)
+    assert conn.lookup("r1", digests, 0) == 4
+    conn.load("r1", digests[:4], {0: [1, 2, 3, 4]})
+    assert conn.take_layer_waits() is not None  # in flight: the step would wait per layer
+    lookups = conn.stats()["lookups"]
+
+    conn.store([])
+    assert conn.check_loads() == set()  # before finish_loads(): nothing to check yet
+    assert conn.take_layer_waits() is not None and not kv[1:5].any()
+    assert conn.stats()["speculative_loads"] == 0
+
+    conn.finish_loads()
+    assert conn.take_layer_waits() is None
+    assert torch.equal(kv[1:5], want)
+    conn.finish_loads()  # a second call finds nothing left
+    conn.store([])
+    assert conn.check_loads() == set()
+    assert conn.stats()["speculative_loads"] == 1
+    assert conn.flush()
+    assert conn.stats()["lookups"] == lookups + 1  # the hit, reported once the step is done
+    conn.request_finished("r1")
     conn.close()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.offload.lookup import GroupHitInput, first_needed_block, hit_length, lookup_keys
+from engine.kv_cache import first_visible_block
+from engine.offload.lookup import GroupHitInput, hit_length, lookup_keys
 
 BS = 16
 WINDOW = 32  # two blocks
@@ -26,7 +27,7 @@ def test_full_attention_only_takes_the_prefix() -> None:
 
 def test_sliding_group_needs_only_the_window_at_the_end() -> None:
     # 8 blocks loaded: 128 tokens; the window then sees blocks 6 and 7 only.
-    assert first_needed_block(8 * BS, WINDOW, BS) == 6
+    assert first_visible_block(8 * BS, WINDOW, BS) == 6
     assert hit_length({0: _full(8), 1: _sliding({6, 7}, 8)}, 8, 0, 0, 1, BS) == 8
 
 
