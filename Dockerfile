@@ -1,4 +1,4 @@
-# One image for every kvoffload process (offloadd, kv-bridge, kv-engine, kvctl).
+# One image for every kvoffload process (offloadd, kv-bridge, kv-engine, kvctl, kv-stack).
 FROM python:3.11-slim
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -7,7 +7,11 @@ WORKDIR /app
 RUN pip install --index-url "$TORCH_INDEX" torch==2.13.0
 COPY pyproject.toml README.md ./
 COPY proto ./proto
+# every package of the wheel (tests/e2e/test_compose.py checks the list against pyproject.toml)
 COPY events ./events
+COPY bridge ./bridge
+COPY kvctl ./kvctl
+COPY rpc ./rpc
 COPY engine ./engine
 COPY offloadd ./offloadd
 COPY stack ./stack

@@ -10,12 +10,21 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Final
 
-from engine.config import DTYPES, EngineConfig
-from engine.errors import EngineError
-from engine.model.checkpoint import TinyModelSpec, write_tiny_model
-from engine.model.config import ModelConfigError
-from engine.sampling import SamplingParams
+# The engine needs the `engine` extra; without it every command (--help too) says so in one line.
+ENGINE_EXTRA: Final = frozenset({"torch", "safetensors", "tokenizers"})
+_missing: str | None = None
+try:
+    from engine.config import DTYPES, EngineConfig, default_engine_id
+    from engine.errors import EngineError
+    from engine.model.checkpoint import TinyModelSpec, write_tiny_model
+    from engine.model.config import ModelConfigError
+    from engine.sampling import SamplingParams
+except ModuleNotFoundError as exc:
+    if exc.name not in ENGINE_EXTRA:
+        raise
+    _missing = exc.name
 
 log = logging.getLogger("engine")
 
@@ -41,8 +50,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached blocks")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (by default small steps replay CUDA graphs)")
-    p.add_argument("--engine-id", default="engine-0",
-                   help="this engine's source name in the event log (unique per node)")
+    p.add_argument("--engine-id", default=None,
+                   help="this engine's source name in the event log and at offloadd, unique among "
+                        "live engines (default: HOSTNAME-PID)")
 
 
 def _engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -50,7 +60,8 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
         model_dir=a.model, device=a.device, dtype=a.dtype, block_size=a.block_size,
         num_gpu_blocks=a.num_gpu_blocks, max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, hash_seed=a.hash_seed,
-        hash_algo=a.hash_algo, enable_prefix_caching=not a.no_prefix_caching, engine_id=a.engine_id,
+        hash_algo=a.hash_algo, enable_prefix_caching=not a.no_prefix_caching,
+        engine_id=a.engine_id or default_engine_id(),
         enforce_eager=a.enforce_eager,
     )
     cfg.validate()
@@ -208,6 +219,10 @@ def _serve(a: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if _missing is not None:
+        print(f"kv-engine: needs the engine extra (no module {_missing!r}): "
+              "pip install 'kvoffload[engine]'", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
     try:

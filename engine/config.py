@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import os
+import socket
+from dataclasses import dataclass, field
 from typing import Final
 
 import torch
@@ -14,6 +17,20 @@ DTYPES: Final[dict[str, torch.dtype]] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+
+_ENGINES_HERE = itertools.count()
+
+
+def default_engine_id() -> str:
+    """``{hostname}-{pid}`` (``-N`` added for the Nth further engine of one process): distinct
+    for every engine running at once (a pid is unique on its host, a hostname across hosts, a
+    container's hostname is its id), yet the same again for a container restarted in place,
+    whose engine is again its first process, so offloadd fences the old incarnation's blocks.
+    Pass ``--engine-id`` for a name that stays when the engine moves (docs/DECISIONS.md)."""
+    n = next(_ENGINES_HERE)
+    base = f"{socket.gethostname()}-{os.getpid()}"
+    return base if n == 0 else f"{base}-{n}"
 
 
 @dataclass(frozen=True)
@@ -40,7 +57,8 @@ class EngineConfig:
     hash_seed: str = "0"
     hash_algo: HashAlgo = "sha256_cbor"
     enable_prefix_caching: bool = True
-    engine_id: str = "engine-0"
+    engine_id: str = field(default_factory=default_engine_id)
+    """This engine's source name in the event log and at offloadd; unique among live engines."""
     seed: int = 0
     """Seeds sampling for requests that bring no seed of their own."""
     enforce_eager: bool = False

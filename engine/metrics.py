@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.engine_loop import EngineLoop
@@ -22,6 +22,8 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         core = self.loop.core
+        # kv_engine_info{engine_id="..."} 1: which engine this is, to join with offloadd's and the log's view
+        yield InfoMetricFamily("kv_engine", "This engine's identity", value={"engine_id": core.config.engine_id})
         yield CounterMetricFamily("kv_engine_steps", "Engine steps run", value=self.loop.num_steps)
         yield GaugeMetricFamily("kv_engine_requests_running", "Requests running", value=len(core.scheduler.running))
         yield GaugeMetricFamily("kv_engine_requests_waiting", "Requests waiting", value=len(core.scheduler.waiting))

@@ -1,14 +1,22 @@
-"""compose.yaml checked statically (no Docker engine here): its shape against the Compose
-spec's keys, every reference between services, every command and environment variable parsed
-by the real parsers of our processes, and ports consistent with their defaults."""
+"""compose.yaml checked statically (no Docker engine here): against the Compose specification's
+JSON schema (compose_spec/, vendored with its licence), every reference between services, every
+command and environment variable parsed by the real parsers of our processes, ports consistent
+with their defaults, and model-init's script run for real. What the image installs is checked by
+tests/packaging/test_wheel.py."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import stat
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
@@ -17,6 +25,7 @@ from engine.__main__ import _parser as engine_parser
 from offloadd.config import OffloaddConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = Path(__file__).resolve().parent / "compose_spec" / "compose-spec.json"
 TOP_KEYS = {"name", "services", "volumes", "networks", "configs", "secrets"}
 SERVICE_KEYS = {
     "build", "image", "command", "entrypoint", "environment", "env_file", "ports", "expose",
@@ -55,6 +64,34 @@ def _published(service: dict[str, Any]) -> set[int]:
         assert host == container, f"{p}: publish on the same port"
         out.add(int(container))
     return out
+
+
+def _interpolated(node: Any) -> Any:
+    if isinstance(node, str):
+        return _interpolate(node)
+    if isinstance(node, list):
+        return [_interpolated(v) for v in node]
+    if isinstance(node, dict):
+        return {k: _interpolated(v) for k, v in node.items()}
+    return node
+
+
+def test_valid_against_the_compose_spec_schema(compose: dict[str, Any]) -> None:
+    schema = json.loads(SCHEMA.read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    validator = jsonschema.Draft7Validator(schema)
+    for doc in (compose, _interpolated(compose)):  # as written, and as Compose sees it with nothing set
+        errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+        assert not errors, errors
+
+
+def test_the_schema_rejects_what_compose_rejects(compose: dict[str, Any]) -> None:
+    """The schema is really applied: a misspelt key and a wrong type fail."""
+    validator = jsonschema.Draft7Validator(json.loads(SCHEMA.read_text()))
+    bad = json.loads(json.dumps(compose))
+    bad["services"]["engine"]["helthcheck"] = bad["services"]["engine"].pop("healthcheck")
+    bad["services"]["redis"]["ports"] = "6379:6379"
+    assert {e.validator for e in validator.iter_errors(bad)} >= {"additionalProperties", "type"}
 
 
 def test_shape_follows_the_compose_spec(compose: dict[str, Any]) -> None:
@@ -103,9 +140,67 @@ def test_commands_exist_in_the_project(compose: dict[str, Any]) -> None:
         if "stack.healthcheck" in health:
             assert (ROOT / "stack" / "healthcheck.py").exists()
     dockerfile = (ROOT / "Dockerfile").read_text()
-    for pkg in ("proto", "events", "engine", "offloadd", "stack"):
-        assert f"COPY {pkg} ./{pkg}" in dockerfile, pkg
+    for src in ("proto", *_packages()):
+        assert f"COPY {src} ./{src}" in dockerfile, f"the image lacks {src}"
     assert "torch==2.13.0" in dockerfile
+
+
+def _packages() -> list[str]:
+    """Top-level packages setuptools finds at the root (the wheel's, less kvcache under proto/)."""
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    names = {p.rstrip("*") for p in find["include"]}
+    found = sorted(d.name for d in ROOT.iterdir() if d.name in names and (d / "__init__.py").is_file())
+    assert {"events", "bridge", "kvctl", "engine", "offloadd", "rpc", "stack"} <= set(found)
+    return found
+
+
+def _model_init_script(compose: dict[str, Any], models: Path) -> str:
+    svc = _services(compose)["model-init"]
+    cmd = svc["command"]
+    assert cmd[:2] == ["sh", "-c"] and svc["user"] == "root"
+    assert "models:/models" in svc["volumes"]
+    script: str = cmd[2]
+    return script.replace("/models/", f"{models}/")
+
+
+def _world_readable(root: Path) -> list[str]:
+    """Paths under root that uid 1000 (neither owner nor group) could not read."""
+    bad = []
+    for path in [root, *root.rglob("*")]:
+        mode = path.stat().st_mode
+        need = stat.S_IROTH | (stat.S_IXOTH if path.is_dir() else 0)
+        if mode & need != need:
+            bad.append(f"{path.relative_to(root)} {stat.filemode(mode)}")
+    return bad
+
+
+def _run_model_init(script: str) -> None:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    # umask 077: the worst a container runtime may hand model-init
+    res = subprocess.run(["sh", "-c", f"umask 077; {script}"], env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+
+
+def test_model_init_leaves_the_model_readable_by_the_engine(compose: dict[str, Any], tmp_path: Path) -> None:
+    """The engine runs as uid 1000 and model-init as root: its script, run here for real, must
+    leave every file world-readable, both when it writes the model and over a volume an older
+    model-init filled with 0600 files."""
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    _run_model_init(_model_init_script(compose, fresh))
+    assert (fresh / "model" / "config.json").is_file()
+    assert not _world_readable(fresh / "model")
+
+    old = tmp_path / "old"
+    (old / "model" / "sub").mkdir(parents=True)
+    for f in ("config.json", "model.safetensors", "sub/tokenizer.json"):
+        (old / "model" / f).write_text("{}")
+        (old / "model" / f).chmod(0o600)
+    (old / "model" / "sub").chmod(0o700)
+    (old / "model").chmod(0o700)
+    _run_model_init(_model_init_script(compose, old))
+    assert not _world_readable(old / "model")
+    assert (old / "model" / "config.json").read_text() == "{}"  # kept, not rewritten
 
 
 def test_offloadd_config_parses_and_ports_match(compose: dict[str, Any]) -> None:
