@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Final, Literal, NewType
 
+import cbor2
 import msgspec
 
 from events.errors import EventsError
@@ -99,8 +100,11 @@ def validate_event(event: Event) -> None:
             raise SchemaError(f"BlockStored.medium: must be 'GPU' or 'CPU', got {event.medium!r}")
         if event.group_idx < 0:
             raise SchemaError(f"BlockStored.group_idx: must be >= 0, got {event.group_idx}")
-        if event.extra_keys is not None and len(event.extra_keys) != len(event.block_hashes):
-            raise SchemaError("BlockStored.extra_keys: need one entry per block hash")
+        if event.extra_keys is not None:
+            if len(event.extra_keys) != len(event.block_hashes):
+                raise SchemaError("BlockStored.extra_keys: need one entry per block hash")
+            for i, keys in enumerate(event.extra_keys):
+                check_extra_keys(keys, f"BlockStored.extra_keys[{i}]")
     elif isinstance(event, BlockRemoved):
         _check_hashes(event.block_hashes, "block_hashes")
         if event.medium not in MEDIA:
@@ -109,6 +113,68 @@ def validate_event(event: Event) -> None:
             raise SchemaError(f"BlockRemoved.group_idx: must be >= 0, got {event.group_idx}")
     elif event.medium is not None and event.medium not in MEDIA:
         raise SchemaError(f"AllBlocksCleared.medium: must be 'GPU', 'CPU' or None, got {event.medium!r}")
+
+
+MAX_EXTRA_KEYS_DEPTH: Final[int] = 8
+"""Arrays nested deeper than this in one block's extra keys are refused."""
+MAX_EXTRA_KEYS_ITEMS: Final[int] = 1024
+"""Values (scalars and arrays) in one block's extra keys, at most."""
+MAX_EXTRA_KEYS_BYTES: Final[int] = 64 * 1024
+"""Characters of strings plus bytes of byte strings in one block's extra keys, at most."""
+
+_MIN_LOGGED_INT: Final[int] = -(2**63)  # what a msgpack integer holds
+
+
+def check_extra_keys(keys: Any, where: str) -> None:
+    """Refuse one block's extra keys unless the log can hold them exactly and an event can carry
+    them (hashable): None, or an array of None, bool, int in [-2**63, 2**64), float, str, bytes
+    and arrays of these, nested at most MAX_EXTRA_KEYS_DEPTH deep. Raise SchemaError naming the
+    path of the first value that does not fit (a CBOR tag, undefined, a map, a big int...)."""
+    if keys is None:
+        return
+    if type(keys) not in (tuple, list):
+        raise SchemaError(f"{where}: must be an array or null, got {_kind(keys)}")
+    budget = [MAX_EXTRA_KEYS_ITEMS, MAX_EXTRA_KEYS_BYTES]
+    _check_key_value(keys, where, 1, budget)
+
+
+def _check_key_value(value: Any, where: str, depth: int, budget: list[int]) -> None:
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise SchemaError(f"{where}: more than {MAX_EXTRA_KEYS_ITEMS} values in one block's keys")
+    kind = type(value)  # exact types: a subclass (a namedtuple, an IntEnum) is not what it logs as
+    if value is None or kind is bool or kind is float:
+        return
+    if kind is int:
+        if not _MIN_LOGGED_INT <= value <= MAX_HASH:
+            raise SchemaError(f"{where}: integer {value} is outside [-2**63, 2**64) and cannot be logged")
+        return
+    if kind is str or kind is bytes:
+        budget[1] -= len(value)
+        if budget[1] < 0:
+            raise SchemaError(f"{where}: more than {MAX_EXTRA_KEYS_BYTES} characters and bytes "
+                              "in one block's keys")
+        return
+    if kind is tuple or kind is list:
+        if depth > MAX_EXTRA_KEYS_DEPTH:
+            raise SchemaError(f"{where}: arrays nested deeper than {MAX_EXTRA_KEYS_DEPTH}")
+        for i, v in enumerate(value):
+            _check_key_value(v, f"{where}[{i}]", depth + 1, budget)
+        return
+    raise SchemaError(f"{where}: {_kind(value)} cannot be logged")
+
+
+def _kind(value: Any) -> str:
+    """How a refused value reads in an error: CBOR's words for what cbor2 decodes it to."""
+    if isinstance(value, cbor2.CBORTag):
+        return f"CBOR tag {value.tag}"
+    if value is cbor2.undefined:
+        return "CBOR undefined"
+    if isinstance(value, cbor2.CBORSimpleValue):
+        return f"CBOR simple value {value.value}"
+    if isinstance(value, dict):
+        return "a map"
+    return f"a value of type {type(value).__name__}"
 
 
 def _check_hashes(values: tuple[int, ...], field: str) -> None:

@@ -11,9 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import cbor2
 from kvcache.v1 import events_pb2
 from kvcache.v1 import offload_pb2 as pb
 
+from events.codec_vllm import freeze_arrays
+from events.schema import SchemaError, check_extra_keys
 from offloadd.errors import InvalidArgument, NotRegistered, RequestError
 from offloadd.messages import (
     BlockData,
@@ -155,8 +158,30 @@ def reserve_request(
 
 
 def blocks_from_proto(req: pb.ReserveRequest) -> list[BlockToStore]:
-    return [BlockToStore(b.block_hash, b.parent_block_hash or None, tuple(b.token_ids),
-                         b.extra_keys) for b in req.blocks]
+    """The blocks to store; raise InvalidArgument for extra keys the log could not hold, so a
+    bad block is refused here rather than failing the Commit (and its write group) later."""
+    blocks = []
+    for i, b in enumerate(req.blocks):
+        decode_extra_keys(b.extra_keys, f"blocks[{i}].extra_keys")
+        blocks.append(BlockToStore(b.block_hash, b.parent_block_hash or None, tuple(b.token_ids),
+                                   b.extra_keys))
+    return blocks
+
+
+def decode_extra_keys(data: bytes, what: str) -> tuple[Any, ...] | None:
+    """One block's extra keys (canonical CBOR, b"" for none) as an event carries them; raise
+    InvalidArgument naming ``what`` unless they are CBOR the log can hold (check_extra_keys)."""
+    if not data:
+        return None
+    try:
+        value = cbor2.loads(data)
+    except Exception as exc:  # cbor2 raises several types on garbage
+        raise InvalidArgument(f"{what}: not valid CBOR: {exc}") from exc
+    try:
+        check_extra_keys(value, what)
+    except SchemaError as exc:
+        raise InvalidArgument(str(exc)) from exc
+    return None if value is None else freeze_arrays(value)  # type: ignore[no-any-return]
 
 
 def reserve_to_proto(out: ReserveOutcome) -> pb.ReserveResponse:

@@ -6,7 +6,9 @@ offset, checks it is still ours, then in one MULTI/EXEC appends the record (entr
 only after EXEC succeeded (``apply``). When a write fails the outcome is in doubt (EXEC may have
 reached Redis); the next write, or the sweeper, resolves it by reading the entry back: present
 -> ``apply``, absent -> ``revert``. So memory and Redis never disagree for long, and never
-silently.
+silently. Appends that share a MULTI/EXEC are isolated: one whose record cannot be encoded or
+whose projection raises fails alone (and is reverted), the rest are written; a write that fails
+as a whole reverts every append in it.
 """
 
 from __future__ import annotations
@@ -69,18 +71,45 @@ class Persisted:
     blocks: dict[int, dict[bytes, ProjectedBlock]]
 
 
+class RecordRefused(OffloaddError):
+    """One record of a write group could not be written (its projection raised): nothing of it
+    was applied and its ``revert`` ran; the rest of the group was written without it."""
+
+
+_Pending = tuple[Append, "asyncio.Future[LogRecord]"]  # an append and its caller's answer
 _Batch = list[tuple[LogRecord, bytes, Append]]  # records of one MULTI/EXEC, encoded
 _GROUP_MAX = 64
 
 
+class _ProjectFailed(Exception):
+    """``item``'s project callback raised while its MULTI/EXEC was being built."""
+
+    def __init__(self, item: Append) -> None:
+        super().__init__(f"project callback of a {item.source} record raised")
+        self.item = item
+
+
+def _revert(item: Append) -> None:
+    try:
+        item.revert()
+    except Exception:  # a bug in a revert callback must not stop the others'
+        log.exception("revert failed")
+
+
 def _fail(
-    group: list[tuple[Append, asyncio.Future[LogRecord]]], exc: Exception,
-    cause: BaseException | None = None,
+    group: list[_Pending], exc: Exception, cause: BaseException | None = None,
+    revert: bool = True,
 ) -> None:
+    """Answer every unanswered append of ``group`` with ``exc``; with ``revert``, nothing of
+    them is in the log, so each one's ``revert`` undoes what its caller did ahead of the write
+    (reserved victims, a commit's flag). A write in doubt is reverted when resolved instead."""
     exc.__cause__ = cause
-    for _, future in group:
-        if not future.done():
-            future.set_exception(exc)
+    for item, future in group:
+        if future.done():
+            continue
+        future.set_exception(exc)
+        if revert:
+            _revert(item)
 
 
 class MetadataStore:
@@ -90,7 +119,7 @@ class MetadataStore:
         self.keys = keys
         self.head = 0
         self._lock = asyncio.Lock()
-        self._queue: list[tuple[Append, asyncio.Future[LogRecord]]] = []
+        self._queue: list[_Pending] = []
         self._writer: asyncio.Task[None] | None = None
         self._in_doubt: _Batch | None = None
         self._appended = asyncio.Event()
@@ -121,44 +150,71 @@ class MetadataStore:
             async with self._lock:
                 try:
                     await self._write_group(group)
-                except Exception as exc:  # a bug in an apply/project callback: never hang callers
+                except Exception as exc:  # a bug in the writer: never hang callers, undo theirs
                     log.exception("append failed")
-                    _fail(group, exc)
+                    _fail(group, exc, revert=self._in_doubt is None)
 
-    async def _write_group(self, group: list[tuple[Append, asyncio.Future[LogRecord]]]) -> None:
+    async def _write_group(self, group: list[_Pending]) -> None:
+        """Write ``group`` in one MULTI/EXEC. An append that cannot be written (its record does
+        not encode, its projection raises) fails alone and is reverted; the others are written."""
         try:
             await self._resolve_locked()
         except (RedisUnavailable, LogConflict) as exc:
             _fail(group, exc)
             return
-        batch = self._records(group)
-        try:
-            await self._write(batch)
-        except WatchError as exc:
-            _fail(group, LogConflict(f"log head moved past {self.head} under the daemon"), exc)
-            return
-        except (RedisError, OSError) as exc:
-            self._in_doubt = batch
-            _fail(group, RedisUnavailable(f"Redis unreachable, record not applied: {exc}"), exc)
-            return
-        self._commit_locked(batch)
-        for (record, _, _), (_, future) in zip(batch, group, strict=True):
-            if not future.done():
+        while True:
+            group = [p for p in group if not p[1].done()]
+            batch = self._records(group)
+            group = [p for p in group if not p[1].done()]  # _records refuses what cannot encode
+            if not batch:
+                return
+            try:
+                await self._write(batch)
+            except _ProjectFailed as exc:
+                log.error("%s; writing the rest of its group without it", exc, exc_info=exc.__cause__)
+                _fail([p for p in group if p[0] is exc.item],
+                      RecordRefused(f"record not written: {exc.__cause__!r}"), exc.__cause__)
+                continue
+            except WatchError as exc:
+                _fail(group, LogConflict(f"log head moved past {self.head} under the daemon"), exc)
+                return
+            except (RedisError, OSError) as exc:
+                self._in_doubt = batch
+                _fail(group, RedisUnavailable(f"Redis unreachable, record not applied: {exc}"), exc,
+                      revert=False)
+                return
+            break
+        outcomes = self._commit_locked(batch)
+        for (record, _, _), (_, future), error in zip(batch, group, outcomes, strict=True):
+            if future.done():
+                continue
+            if error is None:
                 future.set_result(record)
+            else:
+                future.set_exception(error)
 
-    def _records(self, group: list[tuple[Append, asyncio.Future[LogRecord]]]) -> _Batch:
+    def _records(self, group: list[_Pending]) -> _Batch:
+        """Number and encode ``group``'s records; one that cannot be encoded (a value msgpack
+        cannot hold) is refused alone with a SchemaError and reverted, the others close up."""
         batch: _Batch = []
         last_seq: dict[str, int] = {}  # callable seqs: the 2nd record of a source in a group is +1
-        for i, (item, _) in enumerate(group):
+        for item, future in group:
             if callable(item.seq):
                 prev = last_seq.get(item.source)
                 seq = item.seq() if prev is None else prev + 1
             else:
                 seq = item.seq
+            record = LogRecord(self.head + 1 + len(batch), item.source, item.incarnation, seq,
+                               item.ts, item.events)
+            try:
+                data = encode_record(record)
+            except Exception as exc:  # msgspec: TypeError, OverflowError, EncodeError...
+                log.error("record of %s seq %d cannot be logged: %r", item.source, seq, exc)
+                _fail([(item, future)], SchemaError(
+                    f"record of {item.source} (seq {seq}) cannot be logged: {exc}"), exc)
+                continue
             last_seq[item.source] = seq
-            record = LogRecord(self.head + 1 + i, item.source, item.incarnation, seq, item.ts,
-                               item.events)
-            batch.append((record, encode_record(record), item))
+            batch.append((record, data, item))
         return batch
 
     async def _write(self, batch: _Batch) -> None:
@@ -173,17 +229,29 @@ class MetadataStore:
                 pipe.xadd(keys.log, {RECORD_FIELD: data}, id=entry_id(record.offset))
                 pipe.hset(keys.sources, record.source,
                           projection.encode((record.incarnation, record.source_seq)))
-                item.project(pipe)
+                try:
+                    item.project(pipe)
+                except Exception as exc:  # leaving the block discards every queued command
+                    raise _ProjectFailed(item) from exc
             pipe.set(keys.head, batch[-1][0].offset)
             await pipe.execute()
 
-    def _commit_locked(self, batch: _Batch) -> None:
+    def _commit_locked(self, batch: _Batch) -> list[Exception | None]:
+        """Apply records the log now holds, in order; per record, what its apply raised."""
+        outcomes: list[Exception | None] = []
         for record, _, item in batch:
             self.head = record.offset
             self.state.apply(record)  # the one reducer, over exactly what the log holds
-            item.apply(record)
+            try:
+                item.apply(record)
+            except Exception as exc:  # logged already: not reverted, the others still applied
+                log.exception("apply of logged record %d failed", record.offset)
+                outcomes.append(exc)
+            else:
+                outcomes.append(None)
         self._appended.set()
         self._appended = asyncio.Event()
+        return outcomes
 
     async def resolve(self) -> None:
         """Settle a write whose outcome is in doubt (called by the sweeper too)."""

@@ -13,12 +13,10 @@ RESOURCE_EXHAUSTED instead. Eviction is per layout: a layout never takes slots o
 from __future__ import annotations
 
 import asyncio
-from typing import Any
-
-import cbor2
 
 from events.hashing import to_wire
 from events.schema import BlockRemoved, BlockStored, Event, LogRecord
+from offloadd.codec import decode_extra_keys
 from offloadd.errors import InvalidArgument, ResourceExhausted
 from offloadd.log import projection
 from offloadd.log.metadata import Append
@@ -199,20 +197,6 @@ class StoreWriter:
 
     def abort(self, engine_id: str, reservation_id: str) -> int:
         return self.store.abort_reservation(self.store.reservation(engine_id, reservation_id))
-
-
-def decode_extra_keys(data: bytes, what: str) -> tuple[Any, ...] | None:
-    if not data:
-        return None
-    try:
-        value = cbor2.loads(data)
-    except Exception as exc:  # cbor2 raises several types on garbage
-        raise InvalidArgument(f"{what}: not valid CBOR: {exc}") from exc
-    if value is None:
-        return None
-    if not isinstance(value, list | tuple):
-        raise InvalidArgument(f"{what}: must be a CBOR array or null, got {type(value).__name__}")
-    return tuple(value)
 
 
 def stored_events(

@@ -61,7 +61,7 @@ def test_bad_requests(daemon: DaemonProcess, client: OffloadClient) -> None:
          lambda: client.reserve("e", 0, [chain(1, salt="d")[0]] * 2)),
         ("INVALID_ARGUMENT", "extra_keys: not valid CBOR",
          lambda: client.reserve("e", 0, [BlockToStore(digest(9), None, (1, 2, 3, 4), b"\xff\xff")])),
-        ("INVALID_ARGUMENT", "extra_keys: must be a CBOR array",
+        ("INVALID_ARGUMENT", "extra_keys: must be an array or null",
          lambda: client.reserve("e", 0, [BlockToStore(digest(9), None, (1, 2, 3, 4), b"\x01")])),
         # oversize requests
         ("INVALID_ARGUMENT", "exceed the limit",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import cbor2
 import pytest
 
 from offloadd import codec
@@ -65,3 +68,35 @@ def test_only_not_registered_is_marked() -> None:
     assert codec.error_kind([(codec.ERROR_KIND_KEY, codec.NOT_REGISTERED.encode())]) == codec.NOT_REGISTERED
     assert codec.error_trailers(FailedPrecondition("lease 'l' is unknown or expired")) == ()
     assert codec.error_kind(None) is None
+
+
+def test_extra_keys_the_log_cannot_hold_are_invalid_arguments() -> None:
+    """Reserve's blocks are refused at the edge, naming the value's path, unless their extra
+    keys are CBOR that the log's msgpack holds and a frozen event carries."""
+    ok = cbor2.dumps(["mm", b"\x00", -(2**63), 2**64 - 1, 1.5, None, True, [1, [2]]])
+    assert codec.decode_extra_keys(ok, "k") == ("mm", b"\x00", -(2**63), 2**64 - 1, 1.5, None,
+                                                True, (1, (2,)))
+    assert codec.decode_extra_keys(b"", "k") is None
+    assert codec.decode_extra_keys(cbor2.dumps(None), "k") is None
+    deep: list[object] = [1]
+    for _ in range(8):
+        deep = [deep]
+    refused = {
+        cbor2.dumps([1, [2, cbor2.CBORTag(1234, 5)]]): "k[1][1]: CBOR tag 1234",
+        cbor2.dumps([2**64]): "k[0]: integer",
+        cbor2.dumps([-(2**63) - 1]): "k[0]: integer",
+        b"\x81\xf7": "k[0]: CBOR undefined",
+        b"\x81\xf0": "k[0]: CBOR simple value 16",
+        cbor2.dumps([{"a": 1}]): "k[0]: a map",
+        cbor2.dumps(deep): "nested deeper than 8",
+        cbor2.dumps(list(range(2000))): "more than 1024 values",
+        cbor2.dumps(["x" * 70_000]): "characters and bytes",
+        cbor2.dumps("text"): "k: must be an array or null",
+    }
+    for data, fragment in refused.items():
+        with pytest.raises(InvalidArgument, match=re.escape(fragment)):
+            codec.decode_extra_keys(data, "k")
+    tagged = cbor2.dumps([cbor2.CBORTag(7, 1)])
+    bad = codec.reserve_request("e", 0, [BlockToStore(H, None, (1,), tagged)], 0, None)
+    with pytest.raises(InvalidArgument, match=r"blocks\[0\]\.extra_keys\[0\]: CBOR tag 7"):
+        codec.blocks_from_proto(bad)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import cbor2
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -14,10 +15,17 @@ from redis.retry import Retry
 
 from events.logkeys import LogKeys
 from events.records import RECORD_FIELD, decode_record, encode_record
-from events.schema import BlockStored, LogRecord
+from events.schema import BlockStored, LogRecord, SchemaError
 from events.state import CacheState
 from offloadd.client import OffloadClient, OffloadClientError
-from offloadd.log.metadata import Append, LogConflict, MetadataStore, RedisUnavailable
+from offloadd.log.metadata import (
+    Append,
+    LogConflict,
+    MetadataStore,
+    RecordRefused,
+    RedisUnavailable,
+)
+from offloadd.log.projection import Pipe
 from tests.offloadd.conftest import GROUP, chain
 from tests.support.offloadd_proc import DaemonProcess
 
@@ -156,3 +164,89 @@ def test_concurrent_appends_share_a_transaction(redis_url: str) -> None:
     stored = [decode_record(f[RECORD_FIELD]) for _, f in admin.xrange(keys.log)]
     admin.close()
     assert [r.offset for r in stored] == list(range(1, 21))
+
+
+def test_an_unwritable_record_fails_alone_and_is_reverted(redis_url: str) -> None:
+    """One group, five appends: one record msgpack cannot hold (a CBOR tag in extra_keys), one
+    whose projection raises. Those two fail and are reverted; the other three are written with
+    contiguous offsets, the daemon's callable seqs stay contiguous, and Redis holds exactly them."""
+    keys = LogKeys("isolate")
+
+    async def scenario() -> tuple[list[object], list[str], list[str], CacheState]:
+        client = aioredis.Redis.from_url(redis_url)
+        md = MetadataStore(client, keys, CacheState())
+        seqs = {"d": 0}
+        applied: list[str] = []
+        reverted: list[str] = []
+
+        def item(name: str, extra: tuple[object, ...] | None = None, bad_project: bool = False) -> Append:
+            def apply(record: LogRecord) -> None:
+                seqs["d"] = record.source_seq
+                applied.append(name)
+
+            def project(pipe: Pipe) -> None:
+                pipe.hset(keys.daemon, name, "1")
+                if bad_project:
+                    raise RuntimeError("projection bug")
+
+            event = BlockStored((len(applied) + 1,), None, (1, 2, 3, 4), 4, "CPU", extra_keys=extra)
+            return Append("d", 1, lambda: seqs["d"] + 1, (event,), project, apply,
+                          revert=lambda: reverted.append(name))
+
+        outcomes = await asyncio.gather(
+            md.append(item("a")),
+            md.append(item("tag", extra=((cbor2.CBORTag(1234, 5),),))),
+            md.append(item("b")),
+            md.append(item("project", bad_project=True)),
+            md.append(item("c")),
+            return_exceptions=True,
+        )
+        await client.aclose()
+        return list(outcomes), applied, reverted, md.state
+
+    outcomes, applied, reverted, state = asyncio.run(scenario())
+    good = [r for r in outcomes if isinstance(r, LogRecord)]
+    assert [(r.offset, r.source_seq) for r in good] == [(1, 1), (2, 2), (3, 3)]
+    assert isinstance(outcomes[1], SchemaError) and "cannot be logged" in str(outcomes[1])
+    assert isinstance(outcomes[3], RecordRefused)
+    assert applied == ["a", "b", "c"]
+    assert sorted(reverted) == ["project", "tag"]
+    assert state.fence("d") == (1, 3) and state.violations == []
+    admin = redis.Redis.from_url(redis_url)
+    stored = [decode_record(f[RECORD_FIELD]) for _, f in admin.xrange(keys.log)]
+    projected = admin.hgetall(keys.daemon)
+    head = int(admin.get(keys.head) or 0)
+    admin.close()
+    assert [r.offset for r in stored] == [1, 2, 3] and head == 3
+    assert sorted(projected) == [b"a", b"b", b"c"]  # the failed projection left nothing behind
+
+
+def test_a_failed_group_write_reverts_every_append(redis_url: str) -> None:
+    """A bug in the writer fails the whole group; every append in it is reverted (victims back
+    to ready, slots freed), none is left half done, and the next write goes through."""
+    keys = LogKeys("revert-all")
+
+    async def scenario() -> tuple[list[object], list[int], list[int], LogRecord]:
+        client = aioredis.Redis.from_url(redis_url)
+        md = MetadataStore(client, keys, CacheState())
+        applied: list[int] = []
+        reverted: list[int] = []
+
+        async def broken(batch: object) -> None:
+            raise RuntimeError("writer bug")
+
+        write = md._write
+        md._write = broken  # type: ignore[method-assign]
+        outcomes = await asyncio.gather(
+            *(md.append(_append(md, seq, applied, reverted)) for seq in (1, 2, 3)),
+            return_exceptions=True,
+        )
+        md._write = write  # type: ignore[method-assign]
+        record = await md.append(_append(md, 1, applied, reverted))
+        await client.aclose()
+        return list(outcomes), applied, sorted(reverted), record
+
+    outcomes, applied, reverted, record = asyncio.run(scenario())
+    assert all(isinstance(o, RuntimeError) for o in outcomes)
+    assert reverted == [1, 2, 3]
+    assert applied == [1] and record.offset == 1
