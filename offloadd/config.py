@@ -30,6 +30,7 @@ Eviction = Literal["lru", "arc"]
 EVICTIONS: Final[tuple[Eviction, ...]] = ("lru", "arc")
 MiB: Final[int] = 1 << 20
 GiB: Final[int] = 1 << 30
+DEFAULT_MAX_ID_BYTES: Final[int] = 256
 
 
 class ConfigError(OffloaddError, ValueError):
@@ -82,9 +83,20 @@ class OffloaddConfig:
     max_batch_events: int = 4096
     max_request_hashes: int = 16_384
     """Largest number of hashes or blocks accepted in one OffloadStore request."""
+    min_block_bytes: int = 256
+    """Smallest block a layout may register: each slot costs 8 bytes of slot table besides it."""
+    max_layouts: int = 64
+    """Most layouts the daemon holds; a registration that needs more is RESOURCE_EXHAUSTED."""
+    max_engines: int = 1024
+    """Most engine ids registered at once; a new one past it is RESOURCE_EXHAUSTED."""
+    max_id_bytes: int = DEFAULT_MAX_ID_BYTES
+    """Longest engine id, model namespace, dtype or layout name (UTF-8 bytes) accepted."""
     hash_algo: HashAlgo = "sha256_cbor"
     grace_s: float = 5.0
-    """SIGTERM: seconds in-flight RPCs get before the server stops."""
+    """SIGTERM: seconds in-flight unary RPCs get before the server stops (streams end first)."""
+    engine_lease_s: float = 10.0
+    """An engine whose Publish stream broke (crash) keeps its GPU tier this long without one;
+    then it is cleared (AllBlocksCleared). A stream closed cleanly clears it at once."""
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -103,9 +115,12 @@ class OffloaddConfig:
         if self.hash_algo not in HASH_ALGOS:
             raise ConfigError(f"hash_algo: must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
         for name in ("lease_ms", "max_lease_ms", "sweep_interval_ms", "max_batch_events",
-                     "max_request_hashes"):
+                     "max_request_hashes", "min_block_bytes", "max_layouts", "max_engines",
+                     "max_id_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.engine_lease_s <= 0:
+            raise ConfigError(f"engine_lease_s: must be > 0, got {self.engine_lease_s}")
         if not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"grpc_port: out of range: {self.grpc_port}")
         if not -1 <= self.metrics_port <= 65535:

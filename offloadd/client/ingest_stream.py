@@ -137,14 +137,20 @@ class IngestStream:
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending, timeout_s)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Half-close the stream, so the daemon reads a clean departure and clears this engine's
+        GPU tier at once (DESIGN 3.7); cancel it when the daemon has not ended the call within
+        ``timeout_s`` (unreachable, or busy)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            call = self._call
-        if call is not None:
-            call.cancel()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            with self._cond:
+                call = self._call
+            if call is not None:
+                call.cancel()
+            self._thread.join(timeout=5)
         self._channel.close()
 
     # -- stream thread --------------------------------------------------------------------
@@ -155,7 +161,9 @@ class IngestStream:
             with self._cond:
                 self._send_from = next(iter(self._pending), self._next_seq)
                 self._rewind_mark = 0
-                self._call = self._stub.Publish(self._requests())
+                # The header names whose liveness this stream is, before any batch (3.7).
+                self._call = self._stub.Publish(
+                    self._requests(), metadata=(("kvd-engine-id", self.engine_id),))
                 call = self._call
             try:
                 for ack in call:

@@ -27,9 +27,11 @@ from events.state import CacheState
 from offloadd.config import OffloaddConfig
 from offloadd.edge.service import Servicers
 from offloadd.log.ingest import Ingest
+from offloadd.log.liveness import Liveness
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
 from offloadd.log.recovery import RecoveryReport, audit_gpu_projection, recover
 from offloadd.metrics import DaemonMetrics
+from offloadd.tier.source import DAEMON_SOURCE
 from offloadd.tier.store import HostStore
 from offloadd.tier.writes import StoreWriter
 from rpc.auth import AioTokenInterceptor
@@ -69,7 +71,9 @@ class Daemon:
         self.metadata = MetadataStore(self.redis, config.keys, self.state)
         self.store = HostStore(config, self.metadata, self.state)
         self.writer = StoreWriter(self.store)
-        self.ingest = Ingest(self.metadata, self.state, config.max_batch_events)
+        self.ingest = Ingest(self.metadata, self.state, config.max_batch_events, config.max_id_bytes)
+        self.liveness = Liveness(self.ingest, config.engine_lease_s)
+        self.servicers: Servicers | None = None
         self.metrics = DaemonMetrics()
         self.metrics.watch(self.store, self.ingest)
         self.health = health_aio.HealthServicer()
@@ -92,8 +96,13 @@ class Daemon:
 
     async def start(self) -> Ports:
         self.recovery = await recover(self.store)
-        servicers = Servicers(
-            self.store, self.writer, self.ingest, self.metadata, self.metrics, self.on_fatal
+        # Engines with GPU blocks in the log must reconnect within their lease (3.7).
+        self.liveness.lease_all(
+            {s for s, m, _ in self.state.counts() if m == "GPU" and s != DAEMON_SOURCE}
+        )
+        servicers = self.servicers = Servicers(
+            self.store, self.writer, self.ingest, self.metadata, self.metrics, self.on_fatal,
+            self.liveness,
         )
         for name, methods in servicers.handlers().items():
             self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, methods),))
@@ -171,6 +180,7 @@ class Daemon:
                 self.store.expire()
                 if self.store.integrity.has_corrupt:
                     await self.writer.drop_corrupt()
+                await self.liveness.expire()
             except RedisUnavailable:
                 pass  # retried next round; requests meanwhile get UNAVAILABLE
             except LogConflict as exc:
@@ -179,8 +189,14 @@ class Daemon:
                 log.exception("sweep failed")
 
     async def stop(self) -> None:
+        """Stop serving: engines are not departing (no clears), the long-lived streams (Publish,
+        follow-Subscribe) answer their current message and return, then unary calls in flight
+        get ``grace_s``."""
+        self.liveness.stop()
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.servicers is not None:
+            self.servicers.stop()
         await self.server.stop(self.config.grace_s)
         for task in (self._sweeper, self._audit):
             if task is not None:

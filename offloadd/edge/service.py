@@ -10,7 +10,6 @@ NOT_FOUND; ResourceExhausted -> RESOURCE_EXHAUSTED; RedisUnavailable -> UNAVAILA
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,9 +30,11 @@ from offloadd.errors import (
     ResourceExhausted,
 )
 from offloadd.log.ingest import Ingest
+from offloadd.log.liveness import Liveness
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
 from offloadd.metrics import DaemonMetrics
 from offloadd.tier.registration import Registrar
+from offloadd.tier.source import DAEMON_SOURCE
 from offloadd.tier.store import HostStore
 from offloadd.tier.writes import StoreWriter
 
@@ -49,6 +50,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (LogConflict, grpc.StatusCode.INTERNAL),
 ]
 Context = grpc.aio.ServicerContext[Any, Any]
+ENGINE_ID_HEADER = "kvd-engine-id"  # Publish metadata: the engine whose liveness the stream is
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode | None:
@@ -68,7 +70,7 @@ def parse(raw: bytes, cls: type[Message], what: str) -> Any:
 class Servicers:
     def __init__(
         self, store: HostStore, writer: StoreWriter, ingest: Ingest, metadata: MetadataStore,
-        metrics: DaemonMetrics, on_fatal: Callable[[str], None],
+        metrics: DaemonMetrics, on_fatal: Callable[[str], None], liveness: Liveness,
     ) -> None:
         self.store = store
         self.registrar = Registrar(store)
@@ -77,6 +79,15 @@ class Servicers:
         self.metadata = metadata
         self.metrics = metrics
         self.on_fatal = on_fatal
+        self.liveness = liveness
+        self.stopping = asyncio.Event()  # set by stop(): long-lived streams answer and return
+        self._reading: set[asyncio.Task[Any]] = set()  # Publish streams waiting for a batch
+
+    def stop(self) -> None:
+        """End the long-lived streams (Publish, follow-Subscribe) after their current message."""
+        self.stopping.set()
+        for task in list(self._reading):
+            task.cancel()
 
     async def _unary(
         self, name: str, req_cls: type[Message], raw: bytes, context: Context,
@@ -175,13 +186,50 @@ class Servicers:
     # -- EventIngest ----------------------------------------------------------------------
 
     async def publish(self, requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[Message]:
-        async for raw in requests:
-            try:
-                msg = parse(raw, events_pb2.EventBatch, "Publish")
-            except InvalidArgument as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                return
-            yield await self._publish_one(msg, context)
+        """The stream is its engines' liveness (offloadd.log.liveness): it ends cleanly when the
+        client half-closes, broken when cancelled or aborted; on stop it returns, and says nothing.
+
+        A stream waiting for its next batch is in ``_reading``: ``stop()`` cancels those tasks
+        (no extra task per message on the hot path); a stream busy with a batch answers it and
+        returns when it sees ``stopping``."""
+        engines: set[str] = set()
+        header = dict(context.invocation_metadata() or ()).get(ENGINE_ID_HEADER)
+        if isinstance(header, str):
+            self._bind(engines, header)
+        is_clean = False
+        task = asyncio.current_task()
+        try:
+            while not self.stopping.is_set():
+                if task is not None:
+                    self._reading.add(task)
+                try:
+                    raw = await anext(requests)
+                except StopAsyncIteration:
+                    # a half-close, or the end a broken connection leaves behind: tell them apart
+                    await asyncio.sleep(0)
+                    is_clean = not context.cancelled()
+                    break
+                except asyncio.CancelledError:
+                    if self.stopping.is_set():
+                        break  # stop() woke us: the engine did not depart
+                    raise
+                finally:
+                    self._reading.discard(task)  # type: ignore[arg-type]
+                try:
+                    msg = parse(raw, events_pb2.EventBatch, "Publish")
+                except InvalidArgument as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    return
+                self._bind(engines, msg.engine_id)
+                yield await self._publish_one(msg, context)
+        finally:
+            for engine_id in engines:
+                self.liveness.closed(engine_id, is_clean and not self.stopping.is_set())
+
+    def _bind(self, engines: set[str], engine_id: str) -> None:
+        if engine_id and engine_id != DAEMON_SOURCE and engine_id not in engines:
+            engines.add(engine_id)
+            self.liveness.opened(engine_id)
 
     async def _publish_one(self, msg: events_pb2.EventBatch, context: Context) -> Message:
         head = {"engine_id": msg.engine_id, "incarnation": msg.incarnation, "seq": msg.seq}
@@ -227,12 +275,13 @@ class Servicers:
             for record in records:
                 yield record_to_proto(record)
                 start = record.offset + 1
+            if req.follow and self.stopping.is_set():
+                return  # the daemon stops: a follower reconnects to the next one
             if records:
                 continue
             if not req.follow:
                 return
-            with contextlib.suppress(TimeoutError):
-                await _wait(waiter, 1.0)
+            await _wait_either(waiter, self.stopping, 1.0)
 
     async def snapshot(self, req: log_pb2.SnapshotRequest) -> Message:
         return snapshot_to_proto(self.metadata.state.export())
@@ -245,5 +294,11 @@ async def _abort(context: Context, code: grpc.StatusCode, details: str, exc: Bas
     await context.abort(code, details, trailing_metadata=trailers)
 
 
-async def _wait(event: asyncio.Event, timeout_s: float) -> None:
-    await asyncio.wait_for(event.wait(), timeout_s)
+async def _wait_either(a: asyncio.Event, b: asyncio.Event, timeout_s: float) -> None:
+    """Until ``a`` or ``b`` is set, at most ``timeout_s``."""
+    waits = (asyncio.ensure_future(a.wait()), asyncio.ensure_future(b.wait()))
+    try:
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()

@@ -7,17 +7,27 @@
 - an older incarnation, an empty or oversize batch, or a non-GPU event: REJECTED with a message
   (the stream stays open; IngestStream answers by starting a new incarnation).
 Engines need not be registered to publish events (events only; RegisterEngine is for the arena).
+
+An engine that departs (offloadd.log.liveness decides when) gets ``clear_departed``: one record
+``AllBlocksCleared(GPU)`` under its source with incarnation 0, which the reducer applies without
+fencing. The source's fence stays ``(incarnation, last_seq)``, so a late batch N+1 of the same
+incarnation still applies (the engine was alive after all: its new blocks are logged again), a
+duplicate is still a duplicate, and an older incarnation is still fenced out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from events.codec_proto import EventBatch
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event, LogRecord
 from events.state import CacheState
+from offloadd.config import DEFAULT_MAX_ID_BYTES
+from offloadd.log import projection
 from offloadd.log.metadata import Append, MetadataStore
 from offloadd.log.projection import Pipe, project_gpu_events
 from offloadd.tier.source import DAEMON_SOURCE
@@ -41,12 +51,22 @@ class Ack:
     message: str = ""
 
 
+@dataclass
+class _EngineLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0  # holders and waiters
+
+
 class Ingest:
-    def __init__(self, metadata: MetadataStore, state: CacheState, max_batch_events: int) -> None:
+    def __init__(
+        self, metadata: MetadataStore, state: CacheState, max_batch_events: int,
+        max_id_bytes: int = DEFAULT_MAX_ID_BYTES,
+    ) -> None:
         self.metadata = metadata
         self.state = state
         self.max_batch_events = max_batch_events
-        self._locks: dict[str, asyncio.Lock] = {}
+        self.max_id_bytes = max_id_bytes
+        self._locks: dict[str, _EngineLock] = {}  # per engine, only while someone uses it
         self.num_applied = 0
         self.num_events = 0
         self.num_duplicate = 0
@@ -55,9 +75,10 @@ class Ingest:
 
     async def publish(self, batch: EventBatch) -> Ack:
         """Fence and apply one batch; raises RedisUnavailable when it cannot be made durable."""
-        lock = self._locks.setdefault(batch.engine_id, asyncio.Lock())
-        async with lock:  # one engine's batches are fenced one at a time, even across streams
-            ack = await self._publish(batch)
+        if len(batch.engine_id.encode()) > self.max_id_bytes:
+            ack = Ack(AckStatus.REJECTED, message=f"engine_id is longer than {self.max_id_bytes} bytes")
+        else:
+            ack = await self._publish_locked(batch)
         if ack.status is AckStatus.DUPLICATE:
             self.num_duplicate += 1
         elif ack.status is AckStatus.RESEND:
@@ -65,6 +86,27 @@ class Ingest:
         elif ack.status is AckStatus.REJECTED:
             self.num_rejected += 1
         return ack
+
+    async def _publish_locked(self, batch: EventBatch) -> Ack:
+        """One engine's batches are fenced one at a time, even across streams; its lock lives
+        only while someone holds or waits on it, so rejected input leaves nothing behind."""
+        async with self._engine_lock(batch.engine_id):
+            return await self._publish(batch)
+
+    @contextlib.asynccontextmanager
+    async def _engine_lock(self, engine_id: str) -> AsyncIterator[None]:
+        """Hold ``engine_id``'s lock; its entry lives only while held or waited on."""
+        entry = self._locks.get(engine_id)
+        if entry is None:
+            entry = self._locks[engine_id] = _EngineLock()
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._locks[engine_id]
 
     async def _publish(self, batch: EventBatch) -> Ack:
         if batch.engine_id == DAEMON_SOURCE:
@@ -129,3 +171,25 @@ class Ingest:
         return await self.metadata.append(Append(
             batch.engine_id, batch.incarnation, batch.seq, events, project, apply, ts=batch.ts,
         ))
+
+    async def clear_departed(self, engine_id: str) -> LogRecord | None:
+        """Log ``AllBlocksCleared(GPU)`` for a departed engine; None (nothing logged) when it
+        holds no GPU blocks. Raises RedisUnavailable when it cannot be made durable."""
+        async with self._engine_lock(engine_id):  # fenced one at a time with its batches
+            if not self._has_gpu_blocks(engine_id):
+                return None
+            fence = self.state.fence(engine_id)
+            keys = self.metadata.keys
+            events: tuple[Event, ...] = (AllBlocksCleared("GPU"),)
+
+            def project(pipe: Pipe) -> None:
+                project_gpu_events(pipe, keys, engine_id, events)
+                if fence is not None:  # the append wrote (0, 0): the fence is unchanged
+                    pipe.hset(keys.sources, engine_id, projection.encode(fence))
+
+            return await self.metadata.append(Append(
+                engine_id, 0, 0, events, project, lambda record: None,
+            ))
+
+    def _has_gpu_blocks(self, engine_id: str) -> bool:
+        return any(s == engine_id and m == "GPU" for s, m, _ in self.state.counts())

@@ -1,8 +1,10 @@
 """Registered KV layouts: each one's arena files, slot index and share of the capacity.
 
 Engines that register the same layout (same model namespace, group, kind, window, block size,
-block bytes, dtype and layout string) get the same ``layout_id`` and share its blocks. Chunk
-files are created lazily, as slots are needed, while the total stays within ``capacity_bytes``.
+block bytes, dtype and layout string) get the same ``layout_id`` and share its blocks. A layout's
+name (model namespace, group and layout string) names one geometry: :func:`layout_name`. Chunk
+files are created lazily, as slots are needed, while the total stays within ``capacity_bytes``;
+slot tables (8 bytes a slot, made with the layout) stay within a quarter of it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import msgspec
 import xxhash
 
 from offloadd.arena import (
+    GENERATION_BYTES,
     ArenaGeometry,
     ArenaMapping,
     SlotGenerations,
@@ -47,12 +50,32 @@ class Layout:
         return xxhash.xxh3_64_intdigest(self.arena.slot_view(slot))
 
 
+def layout_name(record: LayoutRecord) -> str:
+    """What engines call a layout; two geometries under one name would be one name for two
+    slot numberings. The offloaded block size is part of the name: engines of one model may
+    offload blocks of different multiples of their engine block, each its own layout."""
+    return msgspec.json.encode(
+        [record.model_namespace, record.group_idx, record.layout, record.block_size]).decode()
+
+
+def table_bytes(geometry: ArenaGeometry) -> int:
+    """Bytes of the layout's slot generation table (made with the layout, whatever it holds)."""
+    return geometry.max_slots * GENERATION_BYTES
+
+
 class LayoutTable:
     def __init__(self, config: OffloaddConfig) -> None:
         self.config = config
         self.by_id: dict[int, Layout] = {}
         self.by_identity: dict[str, int] = {}
+        self.by_name: dict[str, int] = {}
         self.allocated_bytes = 0
+        self.table_bytes = 0
+
+    @property
+    def table_budget_bytes(self) -> int:
+        """The slot tables of all layouts together stay within this part of the capacity."""
+        return self.config.capacity_bytes // 4
 
     def geometry_for(self, layout_id: int, block_bytes: int, slots_per_chunk: int = 0) -> ArenaGeometry:
         """Equal chunks of at most ~chunk_bytes that together use the capacity (a recovered
@@ -95,6 +118,8 @@ class LayoutTable:
         )
         self.by_id[record.layout_id] = layout
         self.by_identity[record.identity] = record.layout_id
+        self.by_name[layout_name(record)] = record.layout_id
+        self.table_bytes += table_bytes(geometry)
         for chunk in range(record.num_chunks):
             self._create_chunk(geometry, chunk)
         layout.index.grow(record.num_chunks * geometry.slots_per_chunk)

@@ -109,6 +109,27 @@ class HostStore:
         layout_id = self.layouts.by_identity.get(identity)
         return None if layout_id is None else self.layouts.by_id[layout_id]
 
+    def layout_named(self, name: str) -> Layout | None:
+        """The registered layout of this name (layouts.layout_name), if any."""
+        layout_id = self.layouts.by_name.get(name)
+        return None if layout_id is None else self.layouts.by_id[layout_id]
+
+    def drop_engine_claims(self, engine_id: str) -> int:
+        """A new incarnation registered: the old one's pins are released and its reservations
+        freed (a reservation being committed is left to its commit; with a write in doubt,
+        expiry frees them later). Returns how many leases and reservations were dropped."""
+        leases = [lease for lease in self.leases.leases.values() if lease.engine_id == engine_id]
+        for lease in leases:
+            self.leases.drop_lease(lease.lease_id)
+            self._unpin(lease.blocks)
+        if self.metadata.is_in_doubt:
+            return len(leases)
+        gone = [r for r in self.leases.reservations.values()
+                if r.engine_id == engine_id and not r.committing]
+        for res in gone:
+            self.abort_reservation(res)
+        return len(leases) + len(gone)
+
     def next_layout_id(self) -> int:
         return self.layouts.next_id()
 

@@ -5,6 +5,7 @@ daemon's current state."""
 from __future__ import annotations
 
 import json
+import queue
 import random
 import time
 from collections.abc import Iterator
@@ -61,11 +62,25 @@ class Engine:
         return batch_to_proto(EventBatch(self.engine_id, 1, self.seq, time.time(), tuple(events)))
 
 
-def _publish(target: str, engines: list[Engine], n: int) -> None:
-    batches = [engines[i % len(engines)].step() for i in range(n)]
-    with grpc.insecure_channel(target) as ch:
-        acks = list(log_pb2_grpc.EventIngestStub(ch).Publish(iter(batches), timeout=20))
-    assert all(a.status == log_pb2.PublishAck.STATUS_APPLIED for a in acks), acks
+class Publisher:
+    """One Publish stream kept open for the whole test: the engines stay alive (a stream that
+    ends is their departure, and the daemon would log their GPU tiers cleared)."""
+
+    def __init__(self, target: str) -> None:
+        self._queue: queue.Queue[events_pb2.EventBatch | None] = queue.Queue()
+        self._channel = grpc.insecure_channel(target)
+        self._acks = log_pb2_grpc.EventIngestStub(self._channel).Publish(
+            iter(self._queue.get, None), timeout=120)
+
+    def publish(self, engines: list[Engine], n: int) -> None:
+        for i in range(n):
+            self._queue.put(engines[i % len(engines)].step())
+        acks = [next(self._acks) for _ in range(n)]
+        assert all(a.status == log_pb2.PublishAck.STATUS_APPLIED for a in acks), acks
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._channel.close()
 
 
 def _daemon_state(target: str) -> CacheState:
@@ -87,10 +102,11 @@ def test_kvctl_replay_at_n_equals_the_daemons_state_at_n(
     daemon: DaemonProcess, redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     engines = [Engine("engine-a", 1), Engine("engine-b", 2)]
-    _publish(daemon.target, engines, 40)
+    publisher = Publisher(daemon.target)
+    publisher.publish(engines, 40)
     at_40 = _daemon_state(daemon.target)
     assert at_40.offset == 40
-    _publish(daemon.target, engines, 25)
+    publisher.publish(engines, 25)
 
     assert kvctl(["replay", redis_url, "--namespace", NAMESPACE, "--at", "40", "--json"]) == 0
     view, fences = _from_json(json.loads(capsys.readouterr().out))
@@ -106,8 +122,9 @@ def test_kvctl_replay_at_n_equals_the_daemons_state_at_n(
             assert sub.bootstrap() == 65
             now = _daemon_state(daemon.target)
             assert sub.view() == now.view()
-            _publish(daemon.target, engines, 15)  # and live, through the bridge
+            publisher.publish(engines, 15)  # and live, through the bridge
             assert sub.run_until(lambda s: s.next_seq == 80)
             assert sub.view() == _daemon_state(daemon.target).view()
     finally:
         bridge.stop()
+        publisher.close()

@@ -50,8 +50,7 @@ def test_kill9_restart_same_state_same_bytes(tmp_path: Path, redis_url: str, nam
             s = IngestStream(proc.target, "gpu-engine", 3)
             for i in range(100):
                 s.submit([BlockStored((i,), None, (1, 2, 3, 4), 4, "GPU")])
-            assert s.flush(10)
-            s.close()
+            assert s.flush(10)  # the stream stays open: the engine lives on through the restart
             pending = c.reserve("e", 0, chain(2, salt="uncommitted"))  # never committed
             before = c.snapshot()
             lookup = c.lookup("e", [GroupQuery(0, tuple(hashes))])
@@ -82,6 +81,7 @@ def test_kill9_restart_same_state_same_bytes(tmp_path: Path, redis_url: str, nam
             assert pending.reservation_id  # the old reservation is gone with the old process
             new = c.reserve("e", 0, chain(2, salt="uncommitted"))
             assert [st for st, _ in new.blocks] == [1, 1]
+            s.close()
     finally:
         proc.kill()
 

@@ -1,0 +1,170 @@
+"""Engine liveness (DESIGN 3.7; issue "truth under faults" items 7 and 10), against a real daemon.
+
+A Publish stream that ends cleanly clears its engine's GPU tier at once; one that breaks starts a
+lease (here 1.5 s) that a reconnect cancels; a daemon's own stop clears nobody and is quick.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from kvcache.v1 import events_pb2, log_pb2, log_pb2_grpc
+
+from events.codec_proto import EventBatch, batch_to_proto
+from events.schema import AllBlocksCleared, BlockStored
+from offloadd.client import IngestStream, OffloadClient, RetryPolicy
+from tests.offloadd.conftest import SLOT
+from tests.support.offloadd_proc import REPO, DaemonProcess
+
+LEASE_S = 1.5
+ACK = log_pb2.PublishAck
+
+PUBLISHER = """
+import sys, time
+from events.schema import BlockStored
+from offloadd.client import IngestStream
+s = IngestStream(sys.argv[1], sys.argv[2])
+s.submit((BlockStored((1, 2), None, tuple(range(8)), 4, "GPU"),))
+assert s.flush(10)
+print("READY", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, redis_url: str, namespace: str) -> Iterator[DaemonProcess]:
+    proc = DaemonProcess(tmp_path / "d", redis_url, namespace, capacity_bytes=16 * SLOT,
+                         extra_args=("--engine-lease-s", str(LEASE_S)))
+    proc.start()
+    yield proc
+    proc.kill()
+
+
+@pytest.fixture
+def client(daemon: DaemonProcess) -> Iterator[OffloadClient]:
+    with OffloadClient(daemon.target, retry=RetryPolicy(attempts=1)) as c:
+        yield c
+
+
+def batch(engine: str, seq: int, *hashes: int, incarnation: int = 1) -> events_pb2.EventBatch:
+    return batch_to_proto(EventBatch(engine, incarnation, seq, time.time(), (
+        BlockStored(hashes, None, tuple(range(4 * len(hashes))), 4, "GPU"),)))
+
+
+def gpu_blocks(client: OffloadClient, engine: str) -> set[int]:
+    return {h for s in client.snapshot().sources if s.source == engine
+            for e in s.events if e.medium == "GPU" for h in e.block_hashes}
+
+
+def clears(client: OffloadClient, engine: str) -> list[int]:
+    """Offsets of the AllBlocksCleared records logged for ``engine`` by the daemon (unfenced,
+    incarnation 0)."""
+    return [r.offset for r in client.subscribe(1)
+            if r.source == engine and r.incarnation == 0 and any(isinstance(e, AllBlocksCleared) for e in r.events)]
+
+
+def wait_until_cleared(client: OffloadClient, engine: str, timeout_s: float) -> float:
+    t0 = time.monotonic()
+    while gpu_blocks(client, engine):
+        assert time.monotonic() - t0 < timeout_s, f"{engine} still resident after {timeout_s} s"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def publish_and_close(daemon: DaemonProcess, *batches: events_pb2.EventBatch) -> list[log_pb2.PublishAck]:
+    """One Publish stream that sends ``batches`` and half-closes: a clean end."""
+    with grpc.insecure_channel(daemon.target) as ch:
+        return list(log_pb2_grpc.EventIngestStub(ch).Publish(iter(batches), timeout=10))
+
+
+def test_clean_stream_end_clears_at_once_and_keeps_the_fence(
+    daemon: DaemonProcess, client: OffloadClient,
+) -> None:
+    acks = publish_and_close(daemon, batch("eng", 1, 11, 12), batch("eng", 2, 13))
+    assert [a.status for a in acks] == [ACK.STATUS_APPLIED, ACK.STATUS_APPLIED], acks
+    assert wait_until_cleared(client, "eng", LEASE_S / 2) < LEASE_S / 2  # not a lease
+    assert len(clears(client, "eng")) == 1
+    # The fence is kept: the next seq of the same incarnation applies, a duplicate does not.
+    acks = publish_and_close(daemon, batch("eng", 2, 99), batch("eng", 3, 14))
+    assert [a.status for a in acks] == [ACK.STATUS_DUPLICATE, ACK.STATUS_APPLIED]
+    wait_until_cleared(client, "eng", LEASE_S / 2)
+    assert len(clears(client, "eng")) == 2
+    # An engine without GPU blocks departs without an empty clear.
+    publish_and_close(daemon, batch("eng", 4, 15), batch_to_proto(EventBatch(
+        "eng", 1, 5, time.time(), (AllBlocksCleared("GPU"),))))
+    time.sleep(0.5)
+    assert len(clears(client, "eng")) == 2
+
+
+def test_broken_stream_clears_after_the_lease(daemon: DaemonProcess, client: OffloadClient) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", PUBLISHER, daemon.target, "crash"],
+                            stdout=subprocess.PIPE, cwd=REPO)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"READY"
+        assert gpu_blocks(client, "crash") == {1, 2}
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    time.sleep(LEASE_S * 0.6)
+    assert gpu_blocks(client, "crash") == {1, 2}, "cleared before the lease ran out"
+    wait_until_cleared(client, "crash", LEASE_S * 2)
+    assert len(clears(client, "crash")) == 1
+
+
+def test_reconnect_within_the_lease_keeps_the_blocks(
+    daemon: DaemonProcess, client: OffloadClient,
+) -> None:
+    with grpc.insecure_channel(daemon.target) as ch:
+        call = log_pb2_grpc.EventIngestStub(ch).Publish(_then_block(batch("blip", 1, 21)))
+        assert next(call).status == ACK.STATUS_APPLIED
+        call.cancel()  # broken before the client half-closed, as a lost connection
+    time.sleep(LEASE_S / 3)
+    stream = IngestStream(daemon.target, "blip")  # idle: its header alone says who it is
+    try:
+        time.sleep(LEASE_S * 1.5)
+        assert gpu_blocks(client, "blip") == {21}
+        assert clears(client, "blip") == []
+    finally:
+        stream.close()
+
+
+def _then_block(first: events_pb2.EventBatch) -> Iterator[events_pb2.EventBatch]:
+    yield first
+    time.sleep(30)  # the stream stays open (grpc runs this on its own thread)
+
+
+def test_stop_is_quick_with_streams_open_and_clears_nobody(
+    daemon: DaemonProcess, client: OffloadClient,
+) -> None:
+    stream = IngestStream(daemon.target, "stay", backoff_s=(0.05, 0.2))  # back within the lease
+    try:
+        stream.submit((BlockStored((31,), None, (1, 2, 3, 4), 4, "GPU"),))
+        assert stream.flush(10)
+        follower = client.subscribe(1, follow=True)
+        next(follower)
+        assert daemon.proc is not None
+        t0 = time.monotonic()
+        daemon.proc.send_signal(signal.SIGTERM)
+        rc = daemon.proc.wait(timeout=15)
+        took = time.monotonic() - t0
+        assert rc == 0, daemon.log_tail()
+        assert took < 2.0, f"stop took {took:.1f} s"
+        daemon.proc = None
+        # The restarted daemon still holds the engine's blocks; it reconnects and keeps them.
+        daemon.restart()
+        with OffloadClient(daemon.target, retry=RetryPolicy(attempts=1)) as fresh:
+            assert gpu_blocks(fresh, "stay") == {31}
+            time.sleep(LEASE_S * 1.5)
+            assert gpu_blocks(fresh, "stay") == {31}
+            assert clears(fresh, "stay") == []
+            stream.close()  # it departs (close() cancels the stream: a lease, then cleared)
+            wait_until_cleared(fresh, "stay", LEASE_S * 3)
+    finally:
+        stream.close()
