@@ -1,6 +1,7 @@
 """The engine's error classes: one root for the engine package, and a ValueError subclass for
 refused requests. The engine's other errors derive from the root where they are raised
-(``engine.block_pool.NoFreeBlocks``, ``engine.offload.cuda_runtime.BatchUnsupportedError``), so a
+(``engine.block_pool.NoFreeBlocks``, ``engine.offload.cuda_runtime.BatchUnsupportedError``,
+``engine.model.config.ModelConfigError``), so a
 caller can catch everything the engine raises on purpose with ``except EngineError``."""
 
 

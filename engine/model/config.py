@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from engine.errors import EngineError
+
 LayerType = Literal["full_attention", "sliding_attention"]
 LAYER_TYPES: Final[tuple[LayerType, ...]] = ("full_attention", "sliding_attention")
 SUPPORTED_MODEL_TYPES: Final[tuple[str, ...]] = ("llama", "mistral", "qwen2")
 ROPE_TYPES: Final[tuple[str, ...]] = ("default", "linear", "llama3")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(EngineError, ValueError):
     """config.json is missing, malformed or describes a model this engine cannot run."""
 
 
