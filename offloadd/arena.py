@@ -67,21 +67,34 @@ class SlotGenerations:
     block is READY and verified, and 0 from the moment it stops being servable (evicting,
     removed) or the slot is handed to a writer. Generations are never reused, so a reader that
     sees the same non-zero value before and after reading the slot read that block's bytes.
+
+    Engines map the file read-only. The daemon never maps it: a process that may write the
+    file may also truncate it, and a mapped page past the end kills the reader with SIGBUS.
+    The daemon keeps the table in private memory and writes each change with ``pwrite``;
+    :meth:`check` restores a resized file (size and every entry).
     """
 
     def __init__(self, path: str, max_slots: int, *, writable: bool = False) -> None:
         self.path = path
-        size = max_slots * GENERATION_BYTES
+        self._size = max_slots * GENERATION_BYTES
+        self._fd = -1
+        self._mm: mmap.mmap | None = None
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
-            if os.fstat(fd).st_size < size:
-                raise ValueError(f"generation table {path} is smaller than {size} bytes")
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
-            self.inode = os.fstat(fd).st_ino
+            st = os.fstat(fd)
+            if st.st_size < self._size:
+                raise ValueError(f"generation table {path} is smaller than {self._size} bytes")
+            self.inode = st.st_ino
+            if writable:
+                private = bytearray(self._size)
+                self.values = memoryview(private).cast("Q")
+                self._fd, fd = fd, -1
+            else:
+                self._mm = mmap.mmap(fd, self._size, mmap.MAP_SHARED, mmap.PROT_READ)
+                self.values = memoryview(self._mm).cast("Q")
         finally:
-            os.close(fd)
-        self.values = memoryview(self._mm).cast("Q")
+            if fd >= 0:
+                os.close(fd)
 
     @classmethod
     def create(cls, path: str, max_slots: int, mode: int, gid: int | None) -> SlotGenerations:
@@ -92,16 +105,50 @@ class SlotGenerations:
         return table
 
     def clear(self) -> None:
-        self._mm[:] = bytes(len(self._mm))
+        self.values[:] = memoryview(bytes(self._size)).cast("Q")
+        self._write(0, self.values.cast("B"))
 
     def __setitem__(self, slot: int, generation: int) -> None:
         self.values[slot] = generation
+        if self.check():  # wrote every entry, this one included
+            return
+        start = slot * GENERATION_BYTES
+        self._write(start, self.values.cast("B")[start : start + GENERATION_BYTES])
 
     def __getitem__(self, slot: int) -> int:
         return int(self.values[slot])
 
     def __len__(self) -> int:
         return len(self.values)
+
+    def _write(self, offset: int, data: memoryview) -> None:
+        if self._fd < 0:
+            raise TypeError(f"generation table {self.path} is mapped read-only")
+        try:
+            if os.pwrite(self._fd, data, offset) == len(data):
+                return
+            log.error("generation table %s: short write at %d", self.path, offset)
+        except OSError as exc:
+            log.error("generation table %s: write at %d failed: %s", self.path, offset, exc)
+
+    def check(self) -> bool:
+        """The daemon's check of its file, before each write and by the sweep: if another
+        process resized it (a write past a shortened end would grow it back with zeros where
+        entries were), log it, restore the size and write every entry again. Returns whether
+        the file had been resized."""
+        if self._fd < 0:
+            return False
+        size = os.fstat(self._fd).st_size
+        if size == self._size:
+            return False
+        log.warning("generation table %s has %d bytes, expected %d (resized by another "
+                    "process): restoring it", self.path, size, self._size)
+        try:
+            os.ftruncate(self._fd, self._size)
+        except OSError as exc:
+            log.error("generation table %s: cannot restore its size: %s", self.path, exc)
+        self._write(0, self.values.cast("B"))
+        return True
 
     def is_stale(self) -> bool:
         """True when the file was replaced or removed (the daemon made a new arena)."""
@@ -111,22 +158,30 @@ class SlotGenerations:
             return True
 
     def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            return
         try:
             self.values.release()
-            self._mm.close()
+            if self._mm is not None:
+                self._mm.close()
         except BufferError:  # a reader still holds a view (numpy); the map goes with it
             log.debug("generation table still referenced at close")
 
 
-def create_chunk_file(path: str, size: int, mode: int, gid: int | None) -> None:
-    """Create (or keep, on a warm restart) one chunk file of ``size`` bytes with ``mode``."""
+def create_chunk_file(path: str, size: int, mode: int, gid: int | None) -> int:
+    """Create (or keep, on a warm restart) one chunk file of ``size`` bytes with ``mode``;
+    returns the size it had (0 when new)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
     try:
         os.fchmod(fd, mode)  # the umask must not widen or narrow what was configured
         if gid is not None:
             os.fchown(fd, -1, gid)
-        if os.fstat(fd).st_size != size:
+        found = os.fstat(fd).st_size
+        if found != size:
             os.ftruncate(fd, size)
+        return found
     finally:
         os.close(fd)
 
@@ -256,3 +311,73 @@ class ArenaMapping:
             except BufferError:  # a caller still holds a view; the map goes with it
                 log.debug("arena chunk still referenced at close")
         self._maps.clear()
+
+
+class ArenaFiles:
+    """The daemon's handle on one layout's chunk files: read with ``pread``, never mapped.
+
+    Engines may write the files, so they may also truncate them; the daemon must survive that,
+    and a mapped page past a file's end would kill it with SIGBUS. A short read means the file
+    shrank: :meth:`read` returns None and :meth:`check` reports and repairs it.
+    """
+
+    def __init__(self, geometry: ArenaGeometry) -> None:
+        self.geometry = geometry
+        self._fds: list[int] = []
+        self._buf = memoryview(bytearray(geometry.slot_bytes))  # reused by every read
+        self._reported: dict[int, int] = {}  # chunk -> a wrong size it could not be given back
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._fds)
+
+    def open_chunk(self, chunk: int) -> None:
+        """Open the next chunk file (created by the caller)."""
+        assert chunk == len(self._fds), "chunks are opened in order"
+        self._fds.append(os.open(self.geometry.chunk_path(chunk), os.O_RDWR))
+
+    def read_view(self, slot: int) -> memoryview | None:
+        """The slot's bytes in a buffer valid until the next read; None if the file is too
+        short to hold them."""
+        g = self.geometry
+        if not 0 <= slot < len(self._fds) * g.slots_per_chunk:
+            raise IndexError(f"slot {slot} outside the {len(self._fds)} open chunks")
+        if os.preadv(self._fds[g.chunk_of(slot)], [self._buf], g.offset_of(slot)) != g.slot_bytes:
+            return None
+        return self._buf
+
+    def read(self, slot: int) -> bytes | None:
+        view = self.read_view(slot)
+        return None if view is None else view.tobytes()
+
+    def check(self) -> dict[int, int]:
+        """Chunk files another process resized: each is logged, given back its size, and
+        returned as chunk -> the size found. A file that shrank lost the bytes past that size."""
+        want = self.geometry.chunk_file_bytes
+        resized: dict[int, int] = {}
+        for chunk, fd in enumerate(self._fds):
+            size = os.fstat(fd).st_size
+            if size == want or self._reported.get(chunk) == size:
+                continue
+            resized[chunk] = size
+            path = self.geometry.chunk_path(chunk)
+            log.warning("arena chunk %s has %d bytes, expected %d (resized by another process): "
+                        "dropping the blocks it lost and restoring its size", path, size, want)
+            try:
+                os.ftruncate(fd, want)
+                self._reported.pop(chunk, None)
+            except OSError as exc:
+                log.error("arena chunk %s: cannot restore its size: %s", path, exc)
+                self._reported[chunk] = size
+        return resized
+
+    def lost_slots(self, chunk: int, size: int) -> range:
+        """The slots of ``chunk`` whose bytes a file of ``size`` bytes no longer holds."""
+        g = self.geometry
+        first = chunk * g.slots_per_chunk
+        return range(first + min(size // g.slot_bytes, g.slots_per_chunk), first + g.slots_per_chunk)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()

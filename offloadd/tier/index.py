@@ -57,6 +57,7 @@ class LayoutIndex:
         self.num_ready = 0
         self.num_reserved = 0
         self.num_pinned = 0
+        self.lost: set[int] = set()  # reserved slots whose bytes a resized arena file lost
 
     # -- capacity -------------------------------------------------------------------------
 
@@ -97,6 +98,10 @@ class LayoutIndex:
     def touch(self, digest: bytes) -> None:
         self.policy.touch(digest)
 
+    def is_lost(self, slot: int) -> bool:
+        """The slot's bytes were lost while it was reserved: its commit must fail."""
+        return slot in self.lost
+
     def ready(self, digest: bytes) -> SlotEntry | None:
         entry = self.entries.get(digest)
         return entry if entry is not None and entry.state is BlockState.READY else None
@@ -115,6 +120,7 @@ class LayoutIndex:
     def reserve(self, digest: bytes, slot: int, entry_fields: SlotEntry) -> None:
         assert digest not in self.entries, "reserve of a present block"
         self._retract(slot)  # before anyone may write the slot
+        self.lost.discard(slot)
         entry_fields.slot = slot
         entry_fields.state = BlockState.RESERVED
         self.entries[digest] = entry_fields
@@ -153,6 +159,18 @@ class LayoutIndex:
         entry = self.entries[digest]
         entry.verified = True
         self._publish(entry)
+
+    def mark_unverified(self, digest: bytes) -> None:
+        """Its bytes may be gone: not servable until checked again."""
+        entry = self.entries[digest]
+        entry.verified = False
+        self._publish(entry)
+
+    def mark_lost(self, digest: bytes) -> None:
+        """A RESERVED block's bytes were lost (its arena file was resized): its commit fails."""
+        entry = self.entries[digest]
+        assert entry.state is BlockState.RESERVED
+        self.lost.add(entry.slot)
 
     def rebuild_free(self) -> None:
         used = {e.slot for e in self.entries.values()}

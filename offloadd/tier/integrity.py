@@ -4,6 +4,10 @@ A block restored by a warm restart is served only after its bytes matched its xx
 checked in the background (:meth:`Integrity.verify_restored`) or on demand by the first
 Lookup/ReadBlocks that would return it. A mismatch takes it out of service; its removal is
 logged by the sweeper (StoreWriter.drop_corrupt).
+
+The same path takes out blocks whose bytes another process destroyed by resizing their chunk
+file (:meth:`Integrity.check_files`): the file is given back its size, the blocks it no longer
+held are removed, a commit of the slots it lost while reserved fails.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import asyncio
 import logging
 
 from offloadd.tier.index import BlockState
-from offloadd.tier.layouts import Layout, LayoutTable
+from offloadd.tier.layouts import ArenaDamaged, Layout, LayoutTable
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +33,45 @@ class Integrity:
         """Check a READY block's bytes; a mismatch takes it out of service (removal logged by
         the sweeper) unless someone holds a pin on it, in which case it only misses now."""
         entry = layout.index.entry(digest)
-        if layout.checksum(entry.slot) == entry.checksum:
-            layout.index.mark_verified(digest)
-            return True
-        log.error("checksum mismatch: layout %d slot %d", layout.layout_id, entry.slot)
+        try:
+            if layout.checksum(entry.slot) == entry.checksum:
+                layout.index.mark_verified(digest)
+                return True
+            log.error("checksum mismatch: layout %d slot %d", layout.layout_id, entry.slot)
+        except ArenaDamaged:
+            self.check_files(layout)  # its file shrank: report it, and every block it lost
+        self._take_out(layout, digest)
+        return False
+
+    def _take_out(self, layout: Layout, digest: bytes) -> None:
+        entry = layout.index.entry(digest)
+        if entry.state is not BlockState.READY:
+            return  # already on its way out
+        layout.index.mark_unverified(digest)  # a pinned one misses until checked again
         if entry.pins == 0:
             layout.index.mark_evicting(digest)
             self._corrupt.add((layout.layout_id, digest))
-        return False
+
+    def check_files(self, layout: Layout) -> int:
+        """Find the layout's files that another process resized, give them back their size
+        and take out of service every block whose bytes they lost. Returns how many."""
+        layout.generations.check()
+        resized = layout.arena.check()
+        if not resized:
+            return 0
+        lost = {s for chunk, size in resized.items() for s in layout.arena.lost_slots(chunk, size)}
+        hit = [(d, e.state) for d, e in layout.index.entries.items() if e.slot in lost]
+        for digest, state in hit:
+            if state is BlockState.RESERVED:
+                layout.index.mark_lost(digest)
+            else:
+                self._take_out(layout, digest)
+        log.error("layout %d: %d blocks lost to resized arena chunks %s", layout.layout_id,
+                  len(hit), sorted(resized))
+        return len(hit)
+
+    def check_all(self) -> int:
+        return sum(self.check_files(layout) for layout in self._layouts.by_id.values())
 
     def add_unverified(self, layout_id: int, digests: list[bytes]) -> None:
         self._unverified.extend((layout_id, d) for d in digests)

@@ -9,6 +9,7 @@ slot tables (8 bytes a slot, made with the layout) stay within a quarter of it.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -17,24 +18,31 @@ import xxhash
 
 from offloadd.arena import (
     GENERATION_BYTES,
+    ArenaFiles,
     ArenaGeometry,
-    ArenaMapping,
     SlotGenerations,
     chunk_path_template,
     create_chunk_file,
     generations_path,
 )
 from offloadd.config import OffloaddConfig
+from offloadd.errors import FailedPrecondition
 from offloadd.log.projection import LayoutRecord
 from offloadd.tier.eviction import make_policy
 from offloadd.tier.index import LayoutIndex
+
+log = logging.getLogger(__name__)
+
+
+class ArenaDamaged(FailedPrecondition):
+    """A slot's bytes are gone: another process resized its chunk file."""
 
 
 @dataclass
 class Layout:
     record: LayoutRecord
     geometry: ArenaGeometry
-    arena: ArenaMapping
+    arena: ArenaFiles
     index: LayoutIndex
     generations: SlotGenerations
 
@@ -47,7 +55,15 @@ class Layout:
         return self.record.num_chunks
 
     def checksum(self, slot: int) -> int:
-        return xxhash.xxh3_64_intdigest(self.arena.slot_view(slot))
+        """xxh3 of the slot's bytes; ArenaDamaged if its chunk file lost them."""
+        view = None if self.index.is_lost(slot) else self.arena.read_view(slot)
+        if view is None:
+            raise ArenaDamaged(f"layout {self.layout_id} slot {slot}: its arena file was resized")
+        return xxhash.xxh3_64_intdigest(view)
+
+    def read(self, slot: int) -> bytes | None:
+        """A copy of the slot's bytes; None if its chunk file is too short to hold them."""
+        return self.arena.read(slot)
 
 
 def layout_name(record: LayoutRecord) -> str:
@@ -112,7 +128,7 @@ class LayoutTable:
         layout = Layout(
             record=record,
             geometry=geometry,
-            arena=ArenaMapping(geometry),
+            arena=ArenaFiles(geometry),
             index=LayoutIndex(make_policy(cfg.eviction), None if cfg.verify_on_load else generations),
             generations=generations,
         )
@@ -121,7 +137,7 @@ class LayoutTable:
         self.by_name[layout_name(record)] = record.layout_id
         self.table_bytes += table_bytes(geometry)
         for chunk in range(record.num_chunks):
-            self._create_chunk(geometry, chunk)
+            self._create_chunk(layout, chunk)
         layout.index.grow(record.num_chunks * geometry.slots_per_chunk)
         self.allocated_bytes += record.num_chunks * geometry.chunk_file_bytes
         return layout
@@ -136,17 +152,21 @@ class LayoutTable:
     def grow(self, layout: Layout) -> None:
         """Create the layout's next chunk file; its slots become free."""
         g = layout.geometry
-        self._create_chunk(g, layout.num_chunks)
+        self._create_chunk(layout, layout.num_chunks)
         layout.record = _with_chunks(layout.record, layout.num_chunks + 1)
         layout.index.grow(g.slots_per_chunk)
         self.allocated_bytes += g.chunk_file_bytes
 
-    def _create_chunk(self, geometry: ArenaGeometry, chunk: int) -> None:
+    def _create_chunk(self, layout: Layout, chunk: int) -> None:
         os.makedirs(self.config.arena_dir, exist_ok=True)
-        create_chunk_file(
-            geometry.chunk_path(chunk), geometry.chunk_file_bytes,
-            self.config.file_mode, self.config.file_gid,
-        )
+        g = layout.geometry
+        path = g.chunk_path(chunk)
+        existed = os.path.exists(path)
+        found = create_chunk_file(path, g.chunk_file_bytes, self.config.file_mode, self.config.file_gid)
+        if existed and found != g.chunk_file_bytes:  # a warm restart's blocks past it fail their checksum
+            log.warning("arena chunk %s had %d bytes, expected %d: resized to fit", path, found,
+                        g.chunk_file_bytes)
+        layout.arena.open_chunk(chunk)
 
     def close(self) -> None:
         for layout in self.by_id.values():

@@ -10,6 +10,7 @@ HostStore's methods; per-layout slot state changes only through its LayoutIndex'
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 from events.state import CacheState
@@ -31,6 +32,10 @@ from offloadd.tier.integrity import Integrity
 from offloadd.tier.layouts import Layout, LayoutTable
 from offloadd.tier.leases import LeaseTable, Reservation, now_ms, wall_ms_after
 from offloadd.tier.source import DaemonSource
+
+ARENA_CHECK_INTERVAL_S = 0.05
+"""How stale Lookup and ReadBlocks may find the arena files' sizes (each check is one fstat a
+chunk file); the sweep and Stats check every time."""
 
 
 @dataclass
@@ -57,6 +62,7 @@ class HostStore:
         self.misses = 0
         self.evictions = 0
         self.integrity = Integrity(self.layouts)
+        self._arena_checked_s = 0.0
 
     # -- validation -----------------------------------------------------------------------
 
@@ -156,6 +162,15 @@ class HostStore:
         layout.index.rebuild_free()
         self.integrity.add_unverified(layout.layout_id, list(entries))
 
+    def check_arena(self, *, at_most_every_s: float = 0.0) -> int:
+        """Find arena files another process resized (reported, repaired, their lost blocks out
+        of service, removal logged by the sweeper); returns how many blocks were lost."""
+        now = time.monotonic()
+        if now - self._arena_checked_s < at_most_every_s:
+            return 0
+        self._arena_checked_s = now
+        return self.integrity.check_all()
+
     def count_evictions(self, n: int) -> None:
         self.evictions += n
 
@@ -169,6 +184,7 @@ class HostStore:
     ) -> LookupOutcome:
         engine = self.engine(engine_id)
         self.check_count(sum(len(q.block_hashes) for q in queries), "queries")
+        self.check_arena(at_most_every_s=ARENA_CHECK_INTERVAL_S)
         resolved: list[tuple[Layout, GroupQuery]] = []
         want = self.config.digest_bytes
         for qi, q in enumerate(queries):
@@ -237,7 +253,9 @@ class HostStore:
     # -- expiry ---------------------------------------------------------------------------
 
     def expire(self) -> int:
-        """Unpin expired leases and free expired reservations; returns how many expired."""
+        """Unpin expired leases and free expired reservations; returns how many expired. (The
+        periodic sweep: arena files are checked here too.)"""
+        self.check_arena()
         now = now_ms()
         expired = self.leases.take_expired_leases(now)
         for lease in expired:
@@ -296,18 +314,23 @@ class HostStore:
     ) -> list[BlockData]:
         layout = self.layout_of(self.engine(engine_id), group_idx)
         self.check_count(len(hashes), "block_hashes")
+        self.check_arena(at_most_every_s=ARENA_CHECK_INTERVAL_S)
         out: list[BlockData] = []
         for i, d in enumerate(hashes):
             self.check_digest(d, f"block_hashes[{i}]")
             entry = layout.index.ready(d)
             if entry is not None and not entry.verified and not self.integrity.verify(layout, d):
                 entry = None
-            if entry is None:
+            data = None if entry is None else layout.read(entry.slot)
+            if entry is None or data is None:
+                if entry is not None:
+                    self.integrity.check_files(layout)  # its file shrank since it was checked
                 raise NotFound(f"block_hashes[{i}] is not resident in group {group_idx}")
-            out.append(BlockData(d, layout.arena.read(entry.slot), entry.checksum))
+            out.append(BlockData(d, data, entry.checksum))
         return out
 
     def stats(self) -> StoreStats:
+        self.check_arena()
         layouts = tuple(
             LayoutStats(
                 lay.layout_id, lay.geometry.slot_bytes, lay.index.num_slots, lay.index.num_ready,
