@@ -41,6 +41,8 @@ class BridgeConfig:
     read_chunk: int = 500
     replay_chunk: int = 256
     save_interval_s: float = 0.2
+    epoch_check_s: float = 1.0
+    """How often an idle bridge checks the log's epoch (after every read anyway)."""
     replay_send_timeout_s: float = 10.0
     max_pending: int = 20_000
     """Published records whose apply to the state may wait for idle time (bridge.state)."""

@@ -38,7 +38,9 @@ def build(config: BridgeConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> Bridge:
         config.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0, health_check_interval=10
     )
     reader = LogReader(client, config.keys, REDIS_TRANSIENT)
-    positions = PositionStore(client, config.keys.bridge(config.name), REDIS_TRANSIENT)
+    positions = PositionStore(
+        client, config.keys.bridge(config.name), REDIS_TRANSIENT, epoch_key=config.keys.epoch
+    )
     return Bridge(config, reader, positions, ctx, BridgeMetrics(), Health())
 
 

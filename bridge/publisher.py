@@ -8,6 +8,11 @@ bridge resumes after the last offset it saved (bridge.position), so subscribers 
 sequence continue; after a SIGKILL the few batches published since the last save are sent
 again with the same seqs, which subscribers drop as duplicates.
 
+The log has an epoch (DESIGN 3.5), checked after every read and every ``epoch_check_s`` when
+idle: when Redis lost the log and the daemon started a new one, the bridge publishes the signal
+of bridge.epoch and then the new log from offset 1, seqs continuing; ``/healthz`` says
+re-syncing meanwhile.
+
 Publishing transcodes the stored record straight into the wire layout (bridge.transcode);
 the state, needed only for snapshots, is applied in idle time (bridge.state).
 
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 import zmq
 
 from bridge.config import BridgeConfig
+from bridge.epoch import EpochWatch, Preamble, clear_batches
 from bridge.metrics import BridgeMetrics, Health
 from bridge.position import PositionStore, SavedPosition
 from bridge.replay_server import ReplayPlan, ReplayServer, SnapshotPlan
@@ -45,6 +51,7 @@ class PublishedStream:
         self.topic_bytes = topic.encode()
         self.source = source
         self.index = SeqIndex()
+        self.preamble: Preamble = ()  # the clear batches that opened the current epoch
 
     def wants(self, batch: Transcoded | None) -> bool:
         return takes_seq(batch, self.source)
@@ -80,6 +87,7 @@ class Bridge:
         self._saved_position = -1
         self._last_save = 0.0
         self._started = False
+        self._epochs = EpochWatch(positions.log_epoch, reader.head, self.health, config.epoch_check_s)
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 1000)
@@ -133,6 +141,12 @@ class Bridge:
     def _start(self) -> None:
         """Rebuild state and seq indexes from the log up to where publishing resumes."""
         saved = self._positions.load()
+        epoch = self._positions.log_epoch()
+        carried: dict[str, int] | None = None
+        if saved is not None and saved.epoch and epoch is not None and saved.epoch != epoch:
+            log.warning("saved position is of log epoch %s, the log is now epoch %s: the log was "
+                        "replaced; publishing it from offset 1, seqs continuing", saved.epoch, epoch)
+            carried, saved = saved.next_seqs, None
         head, first = self._reader.head(), self._reader.first_offset()
         if saved is not None and saved.offset > head:
             log.warning("saved position %d is beyond the log head %d (log reset?); starting at the head",
@@ -144,6 +158,8 @@ class Bridge:
             resume = saved.offset
         else:
             resume = head
+        if carried is not None:
+            resume = 0
         with self._lock:
             self._state.reset()
             for stream in self._streams.values():
@@ -158,18 +174,26 @@ class Bridge:
                     self._gc.after_chunk()
             self._gc.after_chunk()
             self._position = max(resume, self._position)
-            self._rebase(saved, first)
+            self._rebase(saved, first, epoch)
+        self._epochs.epoch = epoch
         self._started = True
         self.metrics.redis_up.set(1)
         self.health.set(redis_ok=True, detail=f"publishing after offset {self._position}", ready=True)
+        if carried is not None:
+            self._open_epoch(epoch or "", carried)
         self._replay.start()
         log.info("kv-bridge ready: pub=%s replay=%s topic=%s layout=%s resume_after=%d head=%d",
                  self.endpoints.pub, self.endpoints.replay, self.config.topic, self.config.layout,
                  self._position, head)
 
-    def _rebase(self, saved: SavedPosition | None, first: int) -> None:
-        """After trimming, old records are gone: continue the saved numbering instead."""
+    def _rebase(self, saved: SavedPosition | None, first: int, epoch: str | None) -> None:
+        """After trimming, old records are gone: continue the saved numbering instead. After
+        an epoch change the numbering starts at the saved base of the epoch."""
         if first <= 1:
+            if saved is not None and saved.epoch and saved.epoch == epoch:
+                for topic, stream in self._streams.items():
+                    if saved.base_seqs.get(topic):
+                        stream.index.rebase(saved.base_seqs[topic])
             return
         for topic, stream in self._streams.items():
             if saved is not None and topic in saved.next_seqs:
@@ -178,10 +202,17 @@ class Bridge:
                 stream.index.rebase(first - 1)
 
     def _step(self) -> None:
+        epochs = self._epochs
+        if epochs.is_gone and not self._check_epoch(moved_back=False):
+            time.sleep(self.config.poll_block_ms / 1000)
+            return
         # With applies pending, only peek for new records: idle time goes to the state.
         block_ms = 0 if self._state.pending else self.config.poll_block_ms
         records = self._reader.poll_raw(self._position, block_ms, self.config.read_chunk)
-        self.health.set(redis_ok=True, detail=f"publishing after offset {self._position}")
+        # Read after the records: if the epoch is still ours now, they were ours.
+        if (records or epochs.is_due()) and not self._check_epoch(moved_back=not records):
+            return
+        self.health.set(redis_ok=True, detail=epochs.detail or f"publishing after offset {self._position}")
         self.metrics.redis_up.set(1)
         if records:
             published = 0
@@ -190,12 +221,40 @@ class Bridge:
                 for record in records:
                     published += self._publish(record)
             self._count(records, published)
+            epochs.published(self._position)
         elif self._state.pending:
             with self._lock:
                 # Small slices keep a record that arrives meanwhile from waiting long.
                 self._state.catch_up(limit=200)
         self._gc.after_chunk()
         self._save(force=False)
+
+    def _check_epoch(self, moved_back: bool) -> bool:
+        """True when the log is still the one being published; a new one is opened."""
+        new = self._epochs.check(self._position, moved_back)
+        if new is not None:
+            self._open_epoch(new, None)
+        return new is None and not self._epochs.is_gone
+
+    def _open_epoch(self, epoch: str, carried: dict[str, int] | None) -> None:
+        """Publish the clear batches (bridge.epoch) and restart from offset 1; seqs continue
+        (from ``carried``, the saved next seqs, at start)."""
+        with self._lock:
+            known = self._state.sources()
+            for stream in self._streams.values():
+                if carried is not None and stream.topic not in carried:
+                    continue
+                first = carried[stream.topic] if carried is not None else stream.index.next_seq
+                sources = [stream.source] if stream.source is not None else known
+                stream.preamble = clear_batches(sources, first, self.config.layout)
+                stream.index = SeqIndex(first + len(stream.preamble))
+                for seq, payload in stream.preamble:
+                    self._pub.send_multipart([stream.topic_bytes, seq.to_bytes(8, "big"), payload])
+            self._state.reset()
+            self._position = 0
+        self._epochs.opened(epoch)
+        self._saved_position = -1
+        self._save(force=True)
 
     def _count(self, entries: list[RawEntry], published: int) -> None:
         """Metrics once per chunk: per-record label lookups cost as much as the publishing."""
@@ -259,7 +318,8 @@ class Bridge:
             return
         with self._lock:
             position = SavedPosition(
-                self._position, {t: s.index.next_seq for t, s in self._streams.items()}
+                self._position, {t: s.index.next_seq for t, s in self._streams.items()},
+                self._epochs.epoch or "", {t: s.index.base_seq for t, s in self._streams.items()},
             )
         self._positions.save(position)
         self._saved_position = position.offset
@@ -274,11 +334,13 @@ class Bridge:
                 return None
             index = stream.index
             first_seq = max(start_seq, index.base_seq)
+            # A seq from before an epoch change: the clear batches first, so the jump shows.
+            preamble = tuple(p for p in stream.preamble if p[0] >= start_seq)
             if first_seq >= index.next_seq:
-                return ReplayPlan(stream.topic_bytes, stream.source, first_seq, 0, -1)
+                return ReplayPlan(stream.topic_bytes, stream.source, first_seq, 0, -1, preamble)
             return ReplayPlan(
                 stream.topic_bytes, stream.source, first_seq, index.offset_of(first_seq),
-                index.last_offset,
+                index.last_offset, preamble,
             )
 
     def snapshot_plan(self, topic: bytes | None) -> SnapshotPlan | None:

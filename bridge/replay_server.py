@@ -18,6 +18,7 @@ from typing import Protocol
 import zmq
 
 from bridge.config import BridgeConfig
+from bridge.epoch import Preamble
 from bridge.errors import PeerGone
 from bridge.metrics import BridgeMetrics
 from bridge.transcode import batch_for, takes_seq
@@ -40,6 +41,7 @@ class ReplayPlan:
     start_seq: int
     start_offset: int
     end_offset: int
+    preamble: Preamble = ()  # a new epoch's clear batches, sent first (bridge.epoch)
 
 
 @dataclass(frozen=True)
@@ -128,9 +130,11 @@ class ReplayServer:
         self._send(request.identity, [b"", END_SEQ, b""])
 
     def _send_replay(self, identity: bytes, plan: ReplayPlan) -> int:
+        for seq_, payload in plan.preamble:
+            self._send(identity, [plan.topic, seq_bytes(seq_), payload])
         seq = plan.start_seq
         if plan.end_offset < plan.start_offset:
-            return 0
+            return len(plan.preamble)
         layout = self._config.layout
         for _offset, data in self._reader.iter_range_raw(
             plan.start_offset, plan.end_offset, self._config.replay_chunk
@@ -141,7 +145,7 @@ class ReplayServer:
             self._send(identity, [plan.topic, seq_bytes(seq), batch.payload])
             self._metrics.replayed_batches.inc()
             seq += 1
-        return seq - plan.start_seq
+        return seq - plan.start_seq + len(plan.preamble)
 
     def _send_snapshot(self, identity: bytes, snap: SnapshotPlan) -> None:
         layout = self._config.layout

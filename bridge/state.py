@@ -71,6 +71,11 @@ class LazyState:
                 log.warning("log record %d from %s: %s (%s)", v.offset, v.source, v.kind, v.detail)
             del state.violations[:]  # a long-running bridge must not accumulate them
 
+    def sources(self) -> list[str]:
+        """Every source the state knows (after applying what is queued)."""
+        self.catch_up()
+        return self._state.sources()
+
     def export(self) -> Snapshot:
         self.catch_up()
         return self._state.export()

@@ -20,7 +20,8 @@ class EventSink(Protocol):
 
     def take_resync(self) -> bool:
         """True once after the transport had to drop events (it started a new incarnation): the
-        engine then publishes its whole cached state (KVCacheManager.snapshot_events)."""
+        engine then publishes its whole cached state (KVCacheManager.snapshot_events) as its very
+        next ``publish``, nothing when it holds nothing: that batch opens the new incarnation."""
         ...
 
     def close(self) -> None: ...

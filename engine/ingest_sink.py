@@ -2,7 +2,9 @@
 
 IngestStream numbers batches (incarnation, seq), keeps unacked ones in a bounded queue, resends
 them after a reconnect and never blocks ``submit``. This sink adds what the engine needs on
-top: a resync request when the stream had to start a new incarnation, and a watcher that says
+top: a resync request when the stream had to start a new incarnation (the engine's next batch,
+its whole cached state, then goes out as the re-announce that opens the new incarnation:
+IngestStream.resync), and a watcher that says
 in the logs when the daemon goes away or comes back (metrics read the same state).
 """
 
@@ -32,6 +34,7 @@ class IngestEventSink:
         self.target = target
         self.max_pending = max_pending
         self._resync = threading.Event()
+        self._resyncing = False  # take_resync said True: the next publish is the re-announce
         self.stream = IngestStream(
             target, engine_id, incarnation, max_pending=max_pending, on_reset=self._on_reset,
             credentials=security.credentials if security else None,
@@ -47,7 +50,11 @@ class IngestEventSink:
     # -- EventSink --------------------------------------------------------------------------
     def publish(self, events: Sequence[Event]) -> None:
         try:
-            self.stream.submit(events)
+            if self._resyncing:
+                self._resyncing = False
+                self.stream.resync(events)
+            else:
+                self.stream.submit(events)
             self.num_published += 1
         except Exception:  # generation must go on whatever the transport does
             self.num_publish_errors += 1
@@ -56,6 +63,9 @@ class IngestEventSink:
     def take_resync(self) -> bool:
         if self._resync.is_set():
             self._resync.clear()
+            # The engine publishes its snapshot next (nothing when it holds nothing: then its
+            # next step's events are all there is, and they open the new incarnation).
+            self._resyncing = True
             return True
         return False
 

@@ -34,6 +34,15 @@ class LogKeys:
         return self.prefix + "head"
 
     @property
+    def epoch(self) -> str:
+        """String: the log's identity, a random id set (SET NX) when a log is started afresh.
+
+        Readers (engines through their acks, the bridge, kvctl) compare it with the one they
+        saw: another value, or none, means the log they followed is gone.
+        """
+        return self.prefix + "epoch"
+
+    @property
     def sources(self) -> str:
         """Hash: source -> msgpack (incarnation, last_seq) fencing position."""
         return self.prefix + "sources"
@@ -64,3 +73,13 @@ class LogKeys:
     def bridge(self, name: str) -> str:
         """Hash: a bridge's published-seq mapping (seq <-> log offset) for restarts."""
         return f"{self.prefix}bridge:{name}"
+
+    @property
+    def owner(self) -> str:
+        """String with a TTL: ``{token}:{daemon id}:...`` of the daemon owning the namespace."""
+        return self.prefix + "owner"
+
+    @property
+    def owner_token(self) -> str:
+        """Integer: the last fencing token handed out (INCR), so each owner's is larger."""
+        return self.prefix + "owner-token"

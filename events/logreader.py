@@ -113,6 +113,18 @@ class LogReader:
         for entry in self.iter_range_raw(start_offset, end_offset, chunk):
             yield decode_entry(entry)
 
+    def iter_entries(self, chunk: int = DEFAULT_CHUNK) -> Iterator[tuple[bytes, dict[Any, Any]]]:
+        """Every stream entry as stored, ``(entry ID, fields)``, foreign ones included: the head
+        key does not bound it and IDs need not be ``{offset}-0`` (for verify and repair)."""
+        start = "-"
+        while True:
+            entries = self._call(self._client.xrange, self._keys.log, start, "+", chunk)
+            yield from entries
+            if len(entries) < chunk:
+                return
+            last = entries[-1][0]
+            start = "(" + (last.decode() if isinstance(last, bytes) else last)
+
     def poll_raw(self, after_offset: int, block_ms: int, count: int = DEFAULT_CHUNK) -> list[RawEntry]:
         """Entries with offset > ``after_offset``, waiting up to ``block_ms`` when there are none."""
         last_id = f"{after_offset}-0" if after_offset > 0 else "0-0"
@@ -157,6 +169,18 @@ def _raw(entry_id_value: bytes | str, fields: dict[Any, Any]) -> RawEntry:
         raise SchemaError("log reader needs a Redis client with decode_responses=False")
     # A missing field stays b"": decoding it fails with a message naming the entry.
     return offset_of(entry_id_value), data if data is not None else b""
+
+
+def decode_stored(entry_id_value: bytes, fields: dict[Any, Any]) -> LogRecord:
+    """One entry of :meth:`LogReader.iter_entries` as a record; SchemaError names the entry ID
+    when it is not one (no record field, undecodable, or an ID other than ``{offset}-0``)."""
+    name = entry_id_value.decode(errors="replace")
+    offset, _, seq = name.partition("-")
+    if not (offset.isdigit() and seq == "0" and int(offset) > 0):
+        raise SchemaError(f"log entry {name}: not a record's entry ID (want OFFSET-0)")
+    if RECORD_FIELD not in fields:
+        raise SchemaError(f"log entry {name}: no field {RECORD_FIELD!r} (fields {sorted(fields)!r})")
+    return decode_entry((int(offset), fields[RECORD_FIELD]))
 
 
 def decode_entry(entry: RawEntry) -> LogRecord:

@@ -11,6 +11,10 @@ State is a :class:`events.state.CacheState`, fed records rebuilt from the wire w
 extension of the map layout) or, for streams without it (vLLM engines, the legacy layout,
 per-source topics), ``default_source`` (the topic when not given).
 
+When the log is replaced (a new log epoch, bridge.epoch) the bridge publishes, seqs continuing,
+an ``AllBlocksCleared`` without medium per source: the reducer drops every tier of that source,
+so the state follows the new log with nothing to do here.
+
 Threads: the sockets belong to the thread that calls :meth:`bootstrap`/:meth:`poll`;
 :meth:`longest_prefix` and :meth:`view` may be called from other threads (they take ``lock``).
 """

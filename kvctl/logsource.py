@@ -64,6 +64,28 @@ def _counting(fp: Any, progress: Progress) -> Iterator[bytes]:
         yield line
 
 
+def log_epoch(client: Any, keys: LogKeys) -> str | None:
+    """The log's epoch (DESIGN 3.5); None for a log without one."""
+    import redis  # lazy, as in _from_redis
+
+    try:
+        raw = client.get(keys.epoch)
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        raise LogUnavailable(f"redis unavailable: {exc}") from exc
+    return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def check_epoch(client: Any, keys: LogKeys, epoch: str | None) -> None:
+    """Raise KvctlError when the log is no longer the one of ``epoch`` (Redis lost it and the
+    daemon started a new one): records read before and after would mix two logs."""
+    now = log_epoch(client, keys)
+    if now != epoch:
+        raise KvctlError(
+            f"the log's epoch changed from {epoch} to {now} while reading: the log was lost and "
+            "a new one started (offsets restart at 1); run the command again"
+        )
+
+
 def _from_redis(
     url: str, namespace: str, until: int | None, label: str, progress_flag: bool | None
 ) -> Iterator[LogRecord]:
@@ -77,12 +99,16 @@ def _from_redis(
     reader = LogReader(client, keys, (redis.ConnectionError, redis.TimeoutError, OSError))
     progress: Progress | None = None
     try:
+        epoch = log_epoch(client, keys)
         head = reader.head()
         total = head if until is None else min(head, until)
         progress = Progress(label, total, "records", progress_flag)
-        for record in reader.iter_range(1, total):
+        for n, record in enumerate(reader.iter_range(1, total), start=1):
+            if n % 10_000 == 0:
+                check_epoch(client, keys, epoch)
             progress.advance()
             yield record
+        check_epoch(client, keys, epoch)  # what was read is one log, not two halves
     except LogUnavailable as exc:
         raise KvctlError(f"cannot read the log at {url}: {exc}") from None
     finally:

@@ -19,6 +19,7 @@ from kvctl import diff as diff_cmd
 from kvctl import hash as hash_cmd
 from kvctl import plot as plot_cmd
 from kvctl import record as record_cmd
+from kvctl import repair as repair_cmd
 from kvctl import replay as replay_cmd
 from kvctl import stats as stats_cmd
 from kvctl import tail as tail_cmd
@@ -34,6 +35,7 @@ COMMANDS: Final[tuple[ModuleType, ...]] = (
     replay_cmd,
     diff_cmd,
     verify_cmd,
+    repair_cmd,
     stats_cmd,
     tail_cmd,
     plot_cmd,

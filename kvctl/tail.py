@@ -13,6 +13,7 @@ from events.logkeys import LogKeys
 from events.logreader import LogReader, LogUnavailable
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvctl.errors import KvctlError
+from kvctl.logsource import check_epoch, log_epoch
 from kvctl.record import add_stream_args, follow
 
 
@@ -59,11 +60,15 @@ def _tail_log(args: argparse.Namespace) -> int:
     deadline = None if args.duration is None else time.monotonic() + args.duration
     shown = 0
     try:
+        epoch = log_epoch(client, keys)
+        print(f"log epoch {epoch}", file=sys.stderr)
         after = reader.head() if args.from_offset is None else max(0, args.from_offset - 1)
         while (args.count is None or shown < args.count) and (
             deadline is None or time.monotonic() < deadline
         ):
-            for record in reader.poll(after, 100, count=100):
+            records = reader.poll(after, 100, count=100)
+            check_epoch(client, keys, epoch)  # a new log restarts at offset 1: stop, say so
+            for record in records:
                 after = record.offset
                 if args.count is not None and shown >= args.count:
                     break

@@ -16,7 +16,8 @@ import redis.exceptions
 
 from offloadd.config import ConfigError, OffloaddConfig, load_config
 from offloadd.edge.server import create_server
-from offloadd.log.metadata import RedisUnavailable
+from offloadd.errors import ForeignData, NamespaceOwned
+from offloadd.log.metadata import LogConflict, RedisUnavailable
 from rpc.logs import redact_url, setup_logging, url_secrets
 from rpc.tls import SecurityConfigError, read_token
 
@@ -89,6 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SecurityConfigError as exc:
         log.error("cannot start: %s", exc)
         return 2
+    except (NamespaceOwned, ForeignData, LogConflict) as exc:
+        # One line that says what and how to fix it: no traceback, whatever the log format.
+        print(f"offloadd: {exc}", file=sys.stderr)
+        return 1
     except (RedisUnavailable, redis.RedisError) as exc:
         # Recovery also calls Redis directly: an ACL refusal there arrives as a raw RedisError.
         log.error("cannot start: %s", _redis_refusal(exc, config.redis_url) or exc)

@@ -98,6 +98,9 @@ class OffloaddConfig:
     """An engine whose Publish stream broke (crash) keeps its GPU tier this long without one;
     then it is cleared (AllBlocksCleared). A stream closed cleanly clears it at once."""
     log_level: str = "INFO"
+    owner_lease_s: float = 5.0
+    """Lifetime of the namespace's owner lease (renewed every third of it). A second daemon on
+    the namespace is refused while it is held; a daemon paused past it loses the namespace."""
 
     def __post_init__(self) -> None:
         try:
@@ -121,6 +124,8 @@ class OffloaddConfig:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.engine_lease_s <= 0:
             raise ConfigError(f"engine_lease_s: must be > 0, got {self.engine_lease_s}")
+        if self.owner_lease_s < 0.3:
+            raise ConfigError(f"owner_lease_s: must be >= 0.3, got {self.owner_lease_s}")
         if not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"grpc_port: out of range: {self.grpc_port}")
         if not -1 <= self.metrics_port <= 65535:

@@ -36,3 +36,12 @@ class NotFound(RequestError):
 
 class ResourceExhausted(RequestError):
     """Nothing could be reserved: no free slot and nothing evictable."""
+
+
+class NamespaceOwned(OffloaddError):
+    """Another live daemon holds the namespace's owner lease: this one must not start."""
+
+
+class ForeignData(OffloaddError):
+    """A key or log entry of the namespace holds what the daemon did not write (wrong type,
+    undecodable value, an entry that is not a record); the message names it and the repair."""

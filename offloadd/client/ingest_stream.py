@@ -12,6 +12,16 @@ than claims blocks that are gone. ``on_reset(new_incarnation)`` lets the engine 
 what it still holds (it is called on the engine's thread for a full queue, on the stream's
 thread otherwise). Every such drop is counted and logged.
 
+The log has an identity (its epoch, on every ack, DESIGN 3.5). When an ack carries another
+epoch than the first one, or the daemon asks to resend batches it had already acked (the
+batches and the fence are gone: Redis lost the log), no resend can repair it: the stream starts
+a new incarnation too, instead of resending forever.
+
+With ``on_reset``, a reset closes the stream to new batches until the engine calls
+:meth:`resync` with everything it holds: batches submitted meanwhile are dropped (the
+re-announce covers them), so the new incarnation starts with ``AllBlocksCleared`` and the whole
+GPU tier, never with a delta about blocks it has not announced.
+
 ``incarnation`` must be new for every life of an engine (the default is time-based): batches of
 a reused incarnation at seqs the daemon already has would be acked as duplicates. When the
 daemon acks a seq beyond any this stream assigned, that reuse is certain and the stream resets.
@@ -30,7 +40,7 @@ import grpc
 from kvcache.v1 import events_pb2, log_pb2, log_pb2_grpc
 
 from events.codec_proto import EventBatch, batch_to_proto
-from events.schema import Event
+from events.schema import AllBlocksCleared, Event
 from rpc.tls import ClientSecurity
 
 log = logging.getLogger(__name__)
@@ -71,6 +81,8 @@ class IngestStream:
         self.num_resets = 0
         self.num_reconnects = 0
         self.last_error = ""
+        self.log_epoch = ""  # the epoch of the log this stream's batches went to
+        self._awaiting_resync = False  # after a reset with on_reset: drop until resync()
         self._channel = ClientSecurity(credentials, token).channel(target)
         self._stub = log_pb2_grpc.EventIngestStub(self._channel)
         self._thread = threading.Thread(target=self._run, name=f"ingest-{engine_id}", daemon=True)
@@ -93,15 +105,34 @@ class IngestStream:
             log.warning("ingest queue full (%d unacked); starting a new incarnation",
                         len(self._pending))
             self._reset("unacked queue full")
-        seq = 0
         with self._cond:
-            for chunk in chunks:
-                seq = self._next_seq
-                self._next_seq += 1
-                self._pending[seq] = batch_to_proto(
-                    EventBatch(self.engine_id, self.incarnation, seq, time.time(), chunk)
-                )
-            self._cond.notify_all()
+            if self._awaiting_resync:  # the engine's re-announce will cover these events
+                self.num_dropped += len(chunks)
+                return 0
+            return self._queue(chunks)
+
+    def resync(self, events: Sequence[Event]) -> int:
+        """Queue ``AllBlocksCleared(GPU)`` then ``events`` (everything the engine holds, in one
+        first batch when it fits) and open the stream again after a reset; returns the last seq."""
+        stream: list[Event] = [AllBlocksCleared("GPU"), *events]
+        chunks = [tuple(stream[i : i + self.max_batch_events])
+                  for i in range(0, len(stream), self.max_batch_events)]
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("IngestStream is closed")
+            self._awaiting_resync = False
+            return self._queue(chunks)
+
+    def _queue(self, chunks: list[tuple[Event, ...]]) -> int:
+        """Number and queue ``chunks``; the caller holds ``_cond``."""
+        seq = 0
+        for chunk in chunks:
+            seq = self._next_seq
+            self._next_seq += 1
+            self._pending[seq] = batch_to_proto(
+                EventBatch(self.engine_id, self.incarnation, seq, time.time(), chunk)
+            )
+        self._cond.notify_all()
         return seq
 
     def _reset(self, why: str) -> None:
@@ -114,6 +145,7 @@ class IngestStream:
             self._rewind_mark = 0
             self._acked = 0
             self.last_error = why
+            self._awaiting_resync = self.on_reset is not None
             incarnation = self.incarnation
             self._cond.notify_all()
         log.warning("ingest reset (%s): new incarnation %d", why, incarnation)
@@ -187,13 +219,18 @@ class IngestStream:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._ready_to_send(mine), 0.5)
-                if self._closed or self._call is not mine:
+                if self._call is not mine:
                     return
+                if self._closed:  # say goodbye: the daemon clears our GPU tier at once
+                    departing = events_pb2.EventBatch(engine_id=self.engine_id,
+                                                      incarnation=self.incarnation, departing=True)
+                    break
                 batch = self._pending.get(self._send_from)
                 if batch is None:
                     continue
                 self._send_from += 1
             yield batch
+        yield departing
 
     def _ready_to_send(self, mine: Any) -> bool:
         return self._closed or self._call is not mine or self._send_from in self._pending
@@ -203,7 +240,13 @@ class IngestStream:
         with self._cond:
             if ack.incarnation != self.incarnation:
                 return  # an answer about a batch from before a reset
-            if ack.status == _REJECTED:
+            if ack.log_epoch and self.log_epoch and ack.log_epoch != self.log_epoch:
+                reset_why = f"log epoch changed from {self.log_epoch} to {ack.log_epoch}: the log was lost"
+            elif ack.status == _RESEND and ack.resend_from <= self._acked:
+                # Batches the daemon acked are gone from its log (and we dropped them): no
+                # resend can fill that gap, so start over instead of resending forever.
+                reset_why = f"daemon asks to resend acked batches from {ack.resend_from}: the log lost them"
+            elif ack.status == _REJECTED:
                 reset_why = f"batch {ack.seq} rejected: {ack.message}"
             elif ack.acked_seq >= self._next_seq:
                 # The daemon holds seqs of this incarnation we never sent: another life of this
@@ -219,6 +262,8 @@ class IngestStream:
                     # Batches sent before this rewind all answer RESEND too: ignore those.
                     self._rewind_mark = self._send_from
                     self._send_from = max(ack.resend_from, self._acked + 1)
+            if ack.log_epoch:
+                self.log_epoch = ack.log_epoch
             self._cond.notify_all()
         if reset_why:
             self._reset(reset_why)

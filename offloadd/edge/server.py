@@ -29,6 +29,7 @@ from offloadd.edge.service import Servicers
 from offloadd.log.ingest import Ingest
 from offloadd.log.liveness import Liveness
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
+from offloadd.log.owner import OwnerLease
 from offloadd.log.recovery import RecoveryReport, audit_gpu_projection, recover
 from offloadd.metrics import DaemonMetrics
 from offloadd.tier.source import DAEMON_SOURCE
@@ -69,6 +70,7 @@ class Daemon:
         )
         self.state = CacheState()
         self.metadata = MetadataStore(self.redis, config.keys, self.state)
+        self.owner = OwnerLease(self.redis, config.keys, config.owner_lease_s)
         self.store = HostStore(config, self.metadata, self.state)
         self.writer = StoreWriter(self.store)
         self.ingest = Ingest(self.metadata, self.state, config.max_batch_events, config.max_id_bytes)
@@ -86,6 +88,7 @@ class Daemon:
         self.fatal_reason = ""
         self._sweeper: asyncio.Task[None] | None = None
         self._audit: asyncio.Task[None] | None = None
+        self._owner_keeper: asyncio.Task[None] | None = None
         self.recovery: RecoveryReport | None = None
 
     def on_fatal(self, reason: str) -> None:
@@ -95,6 +98,11 @@ class Daemon:
         self.fatal.set()
 
     async def start(self) -> Ports:
+        # Own the namespace before reading it: a second daemon stops here (NamespaceOwned).
+        # Renewal starts at once, so a long recovery cannot outlive the lease.
+        self.metadata.owner = await self.owner.acquire()
+        self.metadata.retake_owner = self.owner.retake
+        self._owner_keeper = asyncio.create_task(self.owner.keep(self.on_fatal, self.metadata.refence))
         self.recovery = await recover(self.store)
         # Engines with GPU blocks in the log must reconnect within their lease (3.7).
         self.liveness.lease_all(
@@ -198,14 +206,18 @@ class Daemon:
         if self.servicers is not None:
             self.servicers.stop()
         await self.server.stop(self.config.grace_s)
-        for task in (self._sweeper, self._audit):
+        await self._cancel_tasks()
+        await self.owner.release()
+        self.metrics.close()
+        await self.redis.aclose()
+        self.store.close()
+
+    async def _cancel_tasks(self) -> None:
+        for task in (self._sweeper, self._audit, self._owner_keeper):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self.metrics.close()
-        await self.redis.aclose()
-        self.store.close()
 
 
 async def create_server(config: OffloaddConfig) -> tuple[Daemon, Ports]:
@@ -213,6 +225,8 @@ async def create_server(config: OffloaddConfig) -> tuple[Daemon, Ports]:
     try:
         ports = await daemon.start()
     except BaseException:
+        await daemon._cancel_tasks()
+        await daemon.owner.release()
         await daemon.redis.aclose()
         daemon.store.close()
         raise

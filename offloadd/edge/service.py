@@ -186,17 +186,20 @@ class Servicers:
     # -- EventIngest ----------------------------------------------------------------------
 
     async def publish(self, requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[Message]:
-        """The stream is its engines' liveness (offloadd.log.liveness): it ends cleanly when the
-        client half-closes, broken when cancelled or aborted; on stop it returns, and says nothing.
+        """The stream is its engines' liveness (offloadd.log.liveness). An engine that leaves
+        says so with a last ``departing`` batch: its GPU tier is cleared at once. A stream that
+        ends without it (cancelled, aborted, a half-close after a crash of the sender: the daemon
+        cannot tell these apart reliably) is broken: cleared after the engine lease unless the
+        engine comes back. On the daemon's own stop it returns and says nothing.
 
         A stream waiting for its next batch is in ``_reading``: ``stop()`` cancels those tasks
         (no extra task per message on the hot path); a stream busy with a batch answers it and
         returns when it sees ``stopping``."""
         engines: set[str] = set()
+        departed: set[str] = set()
         header = dict(context.invocation_metadata() or ()).get(ENGINE_ID_HEADER)
         if isinstance(header, str):
             self._bind(engines, header)
-        is_clean = False
         task = asyncio.current_task()
         try:
             while not self.stopping.is_set():
@@ -205,9 +208,6 @@ class Servicers:
                 try:
                     raw = await anext(requests)
                 except StopAsyncIteration:
-                    # a half-close, or the end a broken connection leaves behind: tell them apart
-                    await asyncio.sleep(0)
-                    is_clean = not context.cancelled()
                     break
                 except asyncio.CancelledError:
                     if self.stopping.is_set():
@@ -221,10 +221,14 @@ class Servicers:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                     return
                 self._bind(engines, msg.engine_id)
+                if msg.departing:
+                    departed.add(msg.engine_id)  # no answer: the sender half-closes next
+                    continue
                 yield await self._publish_one(msg, context)
         finally:
+            stopping = self.stopping.is_set()
             for engine_id in engines:
-                self.liveness.closed(engine_id, is_clean and not self.stopping.is_set())
+                self.liveness.closed(engine_id, engine_id in departed and not stopping)
 
     def _bind(self, engines: set[str], engine_id: str) -> None:
         if engine_id and engine_id != DAEMON_SOURCE and engine_id not in engines:
@@ -254,6 +258,7 @@ class Servicers:
         return log_pb2.PublishAck(
             **head, status=int(ack.status), acked_seq=ack.acked_seq,  # type: ignore[arg-type]
             resend_from=ack.resend_from, log_offset=ack.log_offset, message=ack.message,
+            log_epoch=ack.log_epoch,
         )
 
     # -- EventLog -------------------------------------------------------------------------

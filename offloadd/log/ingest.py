@@ -8,6 +8,10 @@
   (the stream stays open; IngestStream answers by starting a new incarnation).
 Engines need not be registered to publish events (events only; RegisterEngine is for the arena).
 
+Every ack carries the log's epoch (``LogKeys.epoch``, set by recovery): an engine whose acks
+change epoch, or that is asked to resend batches it already had acked, knows the log lost its
+batches and re-announces its GPU tier under a new incarnation (offloadd.client.ingest_stream).
+
 An engine that departs (offloadd.log.liveness decides when) gets ``clear_departed``: one record
 ``AllBlocksCleared(GPU)`` under its source with incarnation 0, which the reducer applies without
 fencing. The source's fence stays ``(incarnation, last_seq)``, so a late batch N+1 of the same
@@ -19,16 +23,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+
+from redis.exceptions import RedisError
 
 from events.codec_proto import EventBatch
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event, LogRecord
 from events.state import CacheState
 from offloadd.config import DEFAULT_MAX_ID_BYTES
 from offloadd.log import projection
-from offloadd.log.metadata import Append, MetadataStore
+from offloadd.log.metadata import Append, MetadataStore, RedisUnavailable
 from offloadd.log.projection import Pipe, project_gpu_events
 from offloadd.tier.source import DAEMON_SOURCE
 
@@ -49,6 +56,7 @@ class Ack:
     resend_from: int = 0
     log_offset: int = 0
     message: str = ""
+    log_epoch: str = ""
 
 
 @dataclass
@@ -72,6 +80,7 @@ class Ingest:
         self.num_duplicate = 0
         self.num_resend = 0
         self.num_rejected = 0
+        self.log_epoch = ""  # read from Redis once (recovery sets it before serving)
 
     async def publish(self, batch: EventBatch) -> Ack:
         """Fence and apply one batch; raises RedisUnavailable when it cannot be made durable."""
@@ -85,7 +94,18 @@ class Ingest:
             self.num_resend += 1
         elif ack.status is AckStatus.REJECTED:
             self.num_rejected += 1
-        return ack
+        return dataclasses.replace(ack, log_epoch=await self.epoch())
+
+    async def epoch(self) -> str:
+        """The log's epoch, read once; "" when Redis has none (a log older than epochs)."""
+        if not self.log_epoch:
+            md = self.metadata
+            try:
+                raw = await md.client.get(md.keys.epoch)
+            except (RedisError, OSError) as exc:
+                raise RedisUnavailable(f"Redis unreachable: {exc}") from exc
+            self.log_epoch = raw.decode() if isinstance(raw, bytes) else (raw or "")
+        return self.log_epoch
 
     async def _publish_locked(self, batch: EventBatch) -> Ack:
         """One engine's batches are fenced one at a time, even across streams; its lock lives

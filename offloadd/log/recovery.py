@@ -5,8 +5,11 @@
    daemon keeps its incarnation and seq; if not (first start, or /dev/shm was wiped), it starts a
    new incarnation, deletes stale chunk files, logs ``AllBlocksCleared(CPU)`` and forgets the
    engine registrations (engines re-register and map the new files).
-3. Layouts and engines come back from the projection; chunk files are mapped again.
-4. Blocks: the projection (slot, checksum...) is checked against the reducer's CPU tier; blocks
+3. Log epoch (``LogKeys.epoch``): the log's identity. Kept when the log is there; a fresh log
+   gets a new random one (SET NX), and so does a log that is gone although the head key said it
+   had records (Redis lost it): engines, the bridge and kvctl see the change and re-sync.
+4. Layouts and engines come back from the projection; chunk files are mapped again.
+5. Blocks: the projection (slot, checksum...) is checked against the reducer's CPU tier; blocks
    that disagree are not served and their removal is logged. Every restored block's bytes are
    then checked against its xxh3 checksum: in the background once serving has started, and on
    demand by the first Lookup/ReadBlocks that would return it, so a corrupt block is never
@@ -25,10 +28,10 @@ import uuid
 from dataclasses import dataclass
 
 import msgspec
-from redis.exceptions import WatchError
+from redis.exceptions import RedisError, WatchError
 
 from events.schema import AllBlocksCleared, BlockRemoved, Event
-from offloadd.log.metadata import Append, Persisted
+from offloadd.log.metadata import Append, Persisted, RedisUnavailable
 from offloadd.log.projection import Pipe, gpu_member
 from offloadd.tier.index import BlockState, SlotEntry
 from offloadd.tier.source import DAEMON_SOURCE
@@ -47,6 +50,7 @@ class RecoveryReport:
     daemon_incarnation: int
     seconds: float
     load_and_replay_seconds: float
+    log_epoch: str = ""
 
 
 def arena_id_path(arena_dir: str, namespace: str) -> str:
@@ -85,6 +89,7 @@ async def _recover(store: HostStore) -> RecoveryReport:
     for source, pos in persisted.sources.items():
         if md.state.fence(source) != pos:
             log.error("projection fence of %s is %s, log says %s", source, pos, md.state.fence(source))
+    epoch = await _log_epoch(store, persisted)
     marker = arena_id_path(cfg.arena_dir, cfg.namespace)
     arena_id = persisted.daemon.get("arena_id")
     reused = arena_id is not None and _read(marker) == arena_id
@@ -100,10 +105,38 @@ async def _recover(store: HostStore) -> RecoveryReport:
     dropped = await _restore_blocks(store, persisted) if reused else 0
     report = RecoveryReport(
         md.head, num_records, sum(lay.index.num_ready for lay in store.all_layouts()),
-        dropped, reused, store.source.incarnation, time.perf_counter() - t0, t_replay,
+        dropped, reused, store.source.incarnation, time.perf_counter() - t0, t_replay, epoch,
     )
     log.info("recovered %s", report)
     return report
+
+
+async def _log_epoch(store: HostStore, persisted: Persisted) -> str:
+    """The log's epoch: the stored one, or a new one for a fresh or lost log."""
+    md = store.metadata
+    key = md.keys.epoch
+    try:
+        raw = await md.client.get(key)
+        lost = md.head == 0 and persisted.head > 0
+        if raw is not None and not lost:
+            return str(raw.decode() if isinstance(raw, bytes) else raw)
+        new = uuid.uuid4().hex
+        if lost:  # the records are gone but an epoch is left: it names a log that no longer is
+            log.error("the log is gone (head key said %d): starting log epoch %s", persisted.head, new)
+            await md.client.set(key, new)
+        else:
+            await md.client.set(key, new, nx=True)  # a second daemon is fenced by the lease
+            raw = await md.client.get(key)
+            new = str(raw.decode() if isinstance(raw, bytes) else raw)
+            if md.head > 0:
+                log.warning("log without an epoch (written before epochs): its epoch is now %s", new)
+            elif persisted.daemon:
+                log.error("the log is gone (Redis lost it): starting log epoch %s", new)
+            else:
+                log.info("new log: epoch %s", new)
+        return new
+    except (RedisError, OSError) as exc:
+        raise RedisUnavailable(f"Redis unreachable during recovery: {exc}") from exc
 
 
 def _read(path: str) -> str | None:

@@ -130,6 +130,32 @@ def test_full_unacked_queue_resyncs_with_a_new_incarnation(plain_model: Path, da
         sink.close()
 
 
+def test_reset_reannounces_before_any_other_batch(plain_model: Path, daemon: DaemonProcess) -> None:
+    """After a reset the new incarnation opens with AllBlocksCleared and the engine's whole GPU
+    tier: the batch that caused the reset (and any before the re-announce) is not sent, so no
+    record removes a block the new incarnation never announced."""
+    sink = IngestEventSink(daemon.target, "eng-c", max_pending=2, watch_interval_s=0.05)
+    llm = _llm(plain_model, sink, "eng-c")
+    try:
+        llm.generate(_prompts(0, 2), PARAMS)
+        assert sink.stream.flush(10)
+        daemon.kill()
+        for seed in range(1, 6):
+            llm.generate(_prompts(seed, 3), PARAMS)
+        assert sink.stream.num_resets >= 1
+        daemon.restart()
+        llm.generate(_prompts(7, 1), PARAMS)
+        assert sink.stream.flush(15)
+        state, records = _records(daemon.target, "eng-c")
+        first = next(r for r in records if r.incarnation == sink.incarnation)
+        assert first.source_seq == 1 and first.events[-1].medium == "GPU"
+        assert any(type(e).__name__ == "AllBlocksCleared" for e in first.events)
+        assert [v for v in state.violations if v.source == "eng-c"] == []
+        assert _daemon_view(state, "eng-c") == _pool_view(llm.engine, "eng-c")
+    finally:
+        sink.close()
+
+
 def test_engine_serves_without_a_daemon(plain_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("WARNING", logger="engine.ingest_sink")
     sink = IngestEventSink(f"127.0.0.1:{free_port()}", "eng-c", watch_interval_s=0.05)

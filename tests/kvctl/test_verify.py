@@ -89,3 +89,24 @@ def test_progress_line_on_request(redis_url: str, capsys: pytest.CaptureFixture[
     assert err.startswith("\rstats: 30/30 records (100%) ") and err.endswith("\n")
     assert kvctl(["stats", redis_url]) == 0  # not a terminal: no progress line
     assert capsys.readouterr().err == ""
+
+
+def test_verify_names_entries_that_are_not_records(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Entries past the head key and with foreign IDs are read too: each is a violation by ID;
+    a head key that does not name the last record is one more."""
+    client = redis.Redis.from_url(redis_url)
+    FleetSimulator(["engine-a"], seed=3).write(LogWriter(client), 5)
+    client.xadd("kvd:default:log", {"x": "1"}, id="6-0")
+    client.xadd("kvd:default:log", {"r": b"\xc1"}, id="7-1")
+    assert kvctl(["verify", redis_url]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "verify: FAILED: 2 problems in 5 records, last offset 5, 1 sources"
+    assert "  offset 6 source ?: log entry 6-0: no field b'r' (fields [b'x'])" in out
+    assert "  offset 7 source ?: log entry 7-1: not a record's entry ID (want OFFSET-0)" in out
+    client.set("kvd:default:head", 9)
+    client.close()
+    assert kvctl(["verify", redis_url, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert sorted(p["kind"] for p in report["problems"]) == ["head_mismatch", "undecodable", "undecodable"]

@@ -79,9 +79,24 @@ def wait_until_cleared(client: OffloadClient, engine: str, timeout_s: float) -> 
 
 
 def publish_and_close(daemon: DaemonProcess, *batches: events_pb2.EventBatch) -> list[log_pb2.PublishAck]:
-    """One Publish stream that sends ``batches`` and half-closes: a clean end."""
+    """One Publish stream that sends ``batches``, says it departs and half-closes: a clean end."""
+    last = batches[-1]
+    goodbye = events_pb2.EventBatch(engine_id=last.engine_id, incarnation=last.incarnation,
+                                    departing=True)
     with grpc.insecure_channel(daemon.target) as ch:
-        return list(log_pb2_grpc.EventIngestStub(ch).Publish(iter(batches), timeout=10))
+        return list(log_pb2_grpc.EventIngestStub(ch).Publish(iter([*batches, goodbye]), timeout=10))
+
+
+def test_half_close_without_goodbye_is_a_broken_stream(
+    daemon: DaemonProcess, client: OffloadClient,
+) -> None:
+    """A sender that crashed can leave a half-close behind: only the goodbye clears at once."""
+    with grpc.insecure_channel(daemon.target) as ch:
+        acks = list(log_pb2_grpc.EventIngestStub(ch).Publish(iter([batch("quiet", 1, 41)]), timeout=10))
+    assert [a.status for a in acks] == [ACK.STATUS_APPLIED]
+    time.sleep(LEASE_S * 0.6)
+    assert gpu_blocks(client, "quiet") == {41}
+    wait_until_cleared(client, "quiet", LEASE_S * 2)
 
 
 def test_clean_stream_end_clears_at_once_and_keeps_the_fence(
@@ -164,7 +179,7 @@ def test_stop_is_quick_with_streams_open_and_clears_nobody(
             time.sleep(LEASE_S * 1.5)
             assert gpu_blocks(fresh, "stay") == {31}
             assert clears(fresh, "stay") == []
-            stream.close()  # it departs (close() cancels the stream: a lease, then cleared)
-            wait_until_cleared(fresh, "stay", LEASE_S * 3)
+            stream.close()  # it departs: it says goodbye, cleared at once
+            assert wait_until_cleared(fresh, "stay", LEASE_S * 3) < LEASE_S / 2
     finally:
         stream.close()

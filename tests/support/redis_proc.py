@@ -16,9 +16,11 @@ def free_port() -> int:
 
 
 class RedisProcess:
-    """redis-server with AOF on, so a stop/start keeps the data (like a real deployment)."""
+    """redis-server with AOF on, so a stop/start keeps the data (like a real deployment).
+    ``appendfsync="always"`` makes every acknowledged write survive a kill -9 too."""
 
-    def __init__(self, workdir: Path, port: int | None = None, password: str | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, password: str | None = None,
+                 appendfsync: str = "everysec") -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found; run scripts/setup")
@@ -26,6 +28,7 @@ class RedisProcess:
         self.workdir = workdir
         self.port = port or free_port()
         self.password = password
+        self.appendfsync = appendfsync
         self.proc: subprocess.Popen[bytes] | None = None
         workdir.mkdir(parents=True, exist_ok=True)
 
@@ -37,7 +40,7 @@ class RedisProcess:
     def start(self, timeout_s: float = 10.0) -> None:
         args = [
             self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+            "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "",
             "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
         ]
         if self.password:

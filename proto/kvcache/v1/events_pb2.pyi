@@ -76,18 +76,20 @@ class KvEvent(_message.Message):
     def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class EventBatch(_message.Message):
-    __slots__ = ("engine_id", "incarnation", "seq", "ts", "events")
+    __slots__ = ("engine_id", "incarnation", "seq", "ts", "events", "departing")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    DEPARTING_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     incarnation: int
     seq: int
     ts: float
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
-    def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
+    departing: bool
+    def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., departing: _Optional[bool] = ...) -> None: ...
 
 class LogRecord(_message.Message):
     __slots__ = ("offset", "source", "incarnation", "source_seq", "ts", "events")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvcache.v1 import events_pb2 as kvcache_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvcache/v1/log.proto\x12\nkvcache.v1\x1a\x17kvcache/v1/events.proto\"\xb1\x02\n\nPublishAck\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12-\n\x06status\x18\x04 \x01(\x0e\x32\x1d.kvcache.v1.PublishAck.Status\x12\x11\n\tacked_seq\x18\x05 \x01(\x04\x12\x13\n\x0bresend_from\x18\x06 \x01(\x04\x12\x12\n\nlog_offset\x18\x07 \x01(\x04\x12\x0f\n\x07message\x18\x08 \x01(\t\"r\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_APPLIED\x10\x01\x12\x14\n\x10STATUS_DUPLICATE\x10\x02\x12\x11\n\rSTATUS_RESEND\x10\x03\x12\x13\n\x0fSTATUS_REJECTED\x10\x04\"7\n\x10SubscribeRequest\x12\x13\n\x0b\x66rom_offset\x18\x01 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x02 \x01(\x08\"\x11\n\x0fSnapshotRequest\"l\n\x0eSourceSnapshot\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x10\n\x08last_seq\x18\x03 \x01(\x04\x12#\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x13.kvcache.v1.KvEvent\"O\n\x10SnapshotResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12+\n\x07sources\x18\x02 \x03(\x0b\x32\x1a.kvcache.v1.SourceSnapshot2L\n\x0b\x45ventIngest\x12=\n\x07Publish\x12\x16.kvcache.v1.EventBatch\x1a\x16.kvcache.v1.PublishAck(\x01\x30\x01\x32\x95\x01\n\x08\x45ventLog\x12\x42\n\tSubscribe\x12\x1c.kvcache.v1.SubscribeRequest\x1a\x15.kvcache.v1.LogRecord0\x01\x12\x45\n\x08Snapshot\x12\x1b.kvcache.v1.SnapshotRequest\x1a\x1c.kvcache.v1.SnapshotResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvcache/v1/log.proto\x12\nkvcache.v1\x1a\x17kvcache/v1/events.proto\"\xc4\x02\n\nPublishAck\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12-\n\x06status\x18\x04 \x01(\x0e\x32\x1d.kvcache.v1.PublishAck.Status\x12\x11\n\tacked_seq\x18\x05 \x01(\x04\x12\x13\n\x0bresend_from\x18\x06 \x01(\x04\x12\x12\n\nlog_offset\x18\x07 \x01(\x04\x12\x0f\n\x07message\x18\x08 \x01(\t\x12\x11\n\tlog_epoch\x18\t \x01(\t\"r\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_APPLIED\x10\x01\x12\x14\n\x10STATUS_DUPLICATE\x10\x02\x12\x11\n\rSTATUS_RESEND\x10\x03\x12\x13\n\x0fSTATUS_REJECTED\x10\x04\"7\n\x10SubscribeRequest\x12\x13\n\x0b\x66rom_offset\x18\x01 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x02 \x01(\x08\"\x11\n\x0fSnapshotRequest\"l\n\x0eSourceSnapshot\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x10\n\x08last_seq\x18\x03 \x01(\x04\x12#\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x13.kvcache.v1.KvEvent\"O\n\x10SnapshotResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12+\n\x07sources\x18\x02 \x03(\x0b\x32\x1a.kvcache.v1.SourceSnapshot2L\n\x0b\x45ventIngest\x12=\n\x07Publish\x12\x16.kvcache.v1.EventBatch\x1a\x16.kvcache.v1.PublishAck(\x01\x30\x01\x32\x95\x01\n\x08\x45ventLog\x12\x42\n\tSubscribe\x12\x1c.kvcache.v1.SubscribeRequest\x1a\x15.kvcache.v1.LogRecord0\x01\x12\x45\n\x08Snapshot\x12\x1b.kvcache.v1.SnapshotRequest\x1a\x1c.kvcache.v1.SnapshotResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvcache.v1.log_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PUBLISHACK']._serialized_start=62
-  _globals['_PUBLISHACK']._serialized_end=367
-  _globals['_PUBLISHACK_STATUS']._serialized_start=253
-  _globals['_PUBLISHACK_STATUS']._serialized_end=367
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=369
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=424
-  _globals['_SNAPSHOTREQUEST']._serialized_start=426
-  _globals['_SNAPSHOTREQUEST']._serialized_end=443
-  _globals['_SOURCESNAPSHOT']._serialized_start=445
-  _globals['_SOURCESNAPSHOT']._serialized_end=553
-  _globals['_SNAPSHOTRESPONSE']._serialized_start=555
-  _globals['_SNAPSHOTRESPONSE']._serialized_end=634
-  _globals['_EVENTINGEST']._serialized_start=636
-  _globals['_EVENTINGEST']._serialized_end=712
-  _globals['_EVENTLOG']._serialized_start=715
-  _globals['_EVENTLOG']._serialized_end=864
+  _globals['_PUBLISHACK']._serialized_end=386
+  _globals['_PUBLISHACK_STATUS']._serialized_start=272
+  _globals['_PUBLISHACK_STATUS']._serialized_end=386
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=388
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=443
+  _globals['_SNAPSHOTREQUEST']._serialized_start=445
+  _globals['_SNAPSHOTREQUEST']._serialized_end=462
+  _globals['_SOURCESNAPSHOT']._serialized_start=464
+  _globals['_SOURCESNAPSHOT']._serialized_end=572
+  _globals['_SNAPSHOTRESPONSE']._serialized_start=574
+  _globals['_SNAPSHOTRESPONSE']._serialized_end=653
+  _globals['_EVENTINGEST']._serialized_start=655
+  _globals['_EVENTINGEST']._serialized_end=731
+  _globals['_EVENTLOG']._serialized_start=734
+  _globals['_EVENTLOG']._serialized_end=883
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PublishAck(_message.Message):
-    __slots__ = ("engine_id", "incarnation", "seq", "status", "acked_seq", "resend_from", "log_offset", "message")
+    __slots__ = ("engine_id", "incarnation", "seq", "status", "acked_seq", "resend_from", "log_offset", "message", "log_epoch")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[PublishAck.Status]
@@ -30,6 +30,7 @@ class PublishAck(_message.Message):
     RESEND_FROM_FIELD_NUMBER: _ClassVar[int]
     LOG_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LOG_EPOCH_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     incarnation: int
     seq: int
@@ -38,7 +39,8 @@ class PublishAck(_message.Message):
     resend_from: int
     log_offset: int
     message: str
-    def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., status: _Optional[_Union[PublishAck.Status, str]] = ..., acked_seq: _Optional[int] = ..., resend_from: _Optional[int] = ..., log_offset: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    log_epoch: str
+    def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., status: _Optional[_Union[PublishAck.Status, str]] = ..., acked_seq: _Optional[int] = ..., resend_from: _Optional[int] = ..., log_offset: _Optional[int] = ..., message: _Optional[str] = ..., log_epoch: _Optional[str] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("from_offset", "follow")
