@@ -18,7 +18,6 @@ import xxhash
 
 from offloadd.arena import (
     GENERATION_BYTES,
-    ArenaFiles,
     ArenaGeometry,
     SlotGenerations,
     chunk_path_template,
@@ -28,6 +27,7 @@ from offloadd.arena import (
 from offloadd.config import OffloaddConfig
 from offloadd.errors import FailedPrecondition
 from offloadd.log.projection import LayoutRecord
+from offloadd.tier.arena_files import ArenaFiles
 from offloadd.tier.eviction import make_policy
 from offloadd.tier.index import LayoutIndex
 

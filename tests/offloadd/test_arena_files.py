@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from offloadd.arena import (
-    ArenaFiles,
     ArenaGeometry,
     SlotGenerations,
     create_chunk_file,
     generations_path,
 )
+from offloadd.tier.arena_files import ArenaFiles
 
 SLOT = 64
 
