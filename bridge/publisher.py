@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 import zmq
+from prometheus_client import Counter
 
 from bridge.config import BridgeConfig
 from bridge.epoch import EpochWatch, Preamble, clear_batches
@@ -93,6 +94,12 @@ class Bridge:
         self._pub.setsockopt(zmq.LINGER, 1000)
         self._pub.bind(config.pub_endpoint)
         self._replay = ReplayServer(ctx, config, reader, self, self.metrics)
+        # The daemon trims the log behind its checkpoints (offloadd.log.checkpoint): a bridge
+        # that fell behind the horizon skips what is gone, counted here (and logged).
+        self.gap_records = Counter(
+            "kvbridge_log_gap_records", "Records trimmed from the log before the bridge read them",
+            registry=self.metrics.registry,
+        )
         if config.source is not None:
             self._stream_for(config.source)
         elif not config.per_source:
@@ -272,8 +279,8 @@ class Bridge:
     def _publish(self, entry: RawEntry) -> int:
         """Publish one record on its stream (1 when published); its apply is queued."""
         offset, data = entry
-        if offset != self._position + 1:
-            log.warning("log offsets jump from %d to %d", self._position, offset)
+        if offset != self._position + 1 and self._position:
+            self._skip(offset)
         self._state.add(entry)
         batch = batch_for(data, self.config.layout)
         stream = self._index(offset, batch)
@@ -287,6 +294,18 @@ class Bridge:
         pub.send(seq.to_bytes(8, "big"), zmq.SNDMORE)
         pub.send(batch.payload)
         return 1
+
+    def _skip(self, offset: int) -> None:
+        """Records up to ``offset`` - 1 were trimmed before they were read: say so, and let the
+        mixed stream's seqs jump with the offsets (seq = offset - 1 stays), so subscribers see
+        the gap. A per-source stream cannot know how many of them were its own: it does not."""
+        skipped = max(0, offset - self._position - 1)
+        log.warning("log gap: offsets jump from %d to %d (trimmed before they were read); "
+                    "continuing from the oldest retained record", self._position, offset)
+        self.gap_records.inc(skipped)
+        for stream in self._streams.values():
+            if stream.source is None:  # everything before the gap left the log: shifting is safe
+                stream.index.rebase(stream.index.base_seq + skipped)
 
     def _index(self, offset: int, batch: Transcoded | None) -> PublishedStream | None:
         """Give the record its seq on the stream that publishes it (if any)."""
@@ -342,6 +361,14 @@ class Bridge:
                 stream.topic_bytes, stream.source, first_seq, index.offset_of(first_seq),
                 index.last_offset, preamble,
             )
+
+    def seq_from(self, topic: bytes, offset: int) -> int:
+        """The seq of the first record at or after ``offset`` on ``topic``'s stream."""
+        with self._lock:
+            stream = self._stream_by_topic(topic)
+            if stream is None:
+                return 0
+            return stream.index.base_seq + stream.index.count_through(offset - 1)
 
     def snapshot_plan(self, topic: bytes | None) -> SnapshotPlan | None:
         with self._lock:

@@ -1,4 +1,5 @@
-"""The bridge's ROUTER socket: replay from any seq still in the log, and snapshots (WIRE.md).
+"""The bridge's ROUTER socket: replay from any seq still in the log (a seq trimmed from it is
+answered from the oldest retained record, under that record's seq), and snapshots (WIRE.md).
 
 Runs on its own thread and reads the log itself, so a long replay does not hold up live
 publishing: it takes the bridge's lock only to look up where a seq lives (or to export the
@@ -55,6 +56,8 @@ class ReplaySource(Protocol):
     def replay_plan(self, topic: bytes | None, start_seq: int) -> ReplayPlan | None: ...
 
     def snapshot_plan(self, topic: bytes | None) -> SnapshotPlan | None: ...
+
+    def seq_from(self, topic: bytes, offset: int) -> int: ...
 
 
 class ReplayServer:
@@ -136,16 +139,24 @@ class ReplayServer:
         if plan.end_offset < plan.start_offset:
             return len(plan.preamble)
         layout = self._config.layout
-        for _offset, data in self._reader.iter_range_raw(
+        sent = 0
+        for offset, data in self._reader.iter_range_raw(
             plan.start_offset, plan.end_offset, self._config.replay_chunk
         ):
+            if seq == plan.start_seq and offset > plan.start_offset:
+                # Trimmed since the plan (DESIGN 3.5): answer from the oldest retained record,
+                # under its own seq, so the requester sees the jump.
+                seq = self._source.seq_from(plan.topic, offset)
+                log.warning("replay from seq %d: records before offset %d were trimmed; "
+                            "answering from seq %d", plan.start_seq, offset, seq)
             batch = batch_for(data, layout)
             if batch is None or not takes_seq(batch, plan.source):
                 continue  # the publisher's rule: such records took no seq
             self._send(identity, [plan.topic, seq_bytes(seq), batch.payload])
             self._metrics.replayed_batches.inc()
             seq += 1
-        return seq - plan.start_seq + len(plan.preamble)
+            sent += 1
+        return sent + len(plan.preamble)
 
     def _send_snapshot(self, identity: bytes, snap: SnapshotPlan) -> None:
         layout = self._config.layout

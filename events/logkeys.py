@@ -83,3 +83,17 @@ class LogKeys:
     def owner_token(self) -> str:
         """Integer: the last fencing token handed out (INCR), so each owner's is larger."""
         return self.prefix + "owner-token"
+
+    @property
+    def checkpoint(self) -> str:
+        """String: msgpack list of the complete checkpoints' ids, newest first (the pointer,
+        set atomically once every chunk of the newest is written; see offloadd.log.checkpoint)."""
+        return self.prefix + "ckpt"
+
+    def checkpoint_manifest(self, ckpt_id: str) -> str:
+        """String: msgpack manifest of a checkpoint (offset, epoch, chunk checksums)."""
+        return f"{self.prefix}ckpt:{ckpt_id}"
+
+    def checkpoint_chunk(self, ckpt_id: str, index: int) -> str:
+        """String: msgpack of one slice of a checkpoint's sources and blocks."""
+        return f"{self.prefix}ckpt:{ckpt_id}:{index}"

@@ -101,6 +101,18 @@ class OffloaddConfig:
     owner_lease_s: float = 5.0
     """Lifetime of the namespace's owner lease (renewed every third of it). A second daemon on
     the namespace is refused while it is held; a daemon paused past it loses the namespace."""
+    checkpoint_interval_s: float = 60.0
+    """A checkpoint of the reduced state is written this often when records were appended
+    since the last one (offloadd.log.checkpoint); recovery replays only the log after it."""
+    checkpoint_records: int = 100_000
+    """... and as soon as this many records were appended since the last checkpoint."""
+    retention_records: int = 1_000_000
+    """Keep at least the newest this many log records (0 = no floor by count)."""
+    retention_s: float = 86_400.0
+    """Keep at least the records of the last this many seconds (0 = no floor by age)."""
+    retention_bytes: int = 0
+    """Keep at least about this many bytes of the newest records (0 = no floor by size). The
+    log is trimmed to the oldest of the three floors, never past the oldest kept checkpoint."""
 
     def __post_init__(self) -> None:
         try:
@@ -126,6 +138,11 @@ class OffloaddConfig:
             raise ConfigError(f"engine_lease_s: must be > 0, got {self.engine_lease_s}")
         if self.owner_lease_s < 0.3:
             raise ConfigError(f"owner_lease_s: must be >= 0.3, got {self.owner_lease_s}")
+        if self.checkpoint_interval_s <= 0 or self.checkpoint_records <= 0:
+            raise ConfigError("checkpoint_interval_s and checkpoint_records: must be > 0")
+        for name in ("retention_records", "retention_s", "retention_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"grpc_port: out of range: {self.grpc_port}")
         if not -1 <= self.metrics_port <= 65535:

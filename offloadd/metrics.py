@@ -6,6 +6,7 @@ from the store when scraped; RPC latencies and ingest lag are observed as they h
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from offloadd.log.checkpoint import CheckpointStats
 from offloadd.log.ingest import Ingest
 from offloadd.tier.store import HostStore
 
@@ -65,6 +67,28 @@ class _StateCollector(Collector):
         yield _counter("offloadd_ingest_events", "Applied engine events", ingest.num_events)
 
 
+class _CheckpointCollector(Collector):
+    def __init__(self, stats: CheckpointStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        yield _gauge("offloadd_log_length", "Records retained in the log", s.log_length)
+        yield _gauge("offloadd_log_first_offset", "Offset of the oldest retained record",
+                     s.first_offset)
+        yield _gauge("offloadd_checkpoint_offset", "Offset of the newest complete checkpoint",
+                     s.offset)
+        yield _gauge("offloadd_checkpoint_age_seconds", "Age of the newest checkpoint (-1: none)",
+                     time.time() - s.created_ts if s.created_ts else -1)
+        yield _gauge("offloadd_checkpoint_bytes", "Size of the newest checkpoint's chunks",
+                     s.num_bytes)
+        yield _counter("offloadd_checkpoints_written", "Checkpoints written", s.num_written)
+        yield _counter("offloadd_checkpoint_failures", "Checkpoint or trim attempts that failed",
+                       s.num_failed)
+        yield _counter("offloadd_log_trimmed_records", "Records trimmed from the log",
+                       s.num_trimmed)
+
+
 def _gpu_blocks(store: HostStore) -> int:
     # Scrapes run on the HTTP thread while the event loop mutates the reducer's dicts; a
     # resize mid-iteration raises RuntimeError, and simply reading again is enough.
@@ -100,6 +124,9 @@ class DaemonMetrics:
 
     def watch(self, store: HostStore, ingest: Ingest) -> None:
         self.registry.register(_StateCollector(store, ingest))
+
+    def watch_checkpoints(self, stats: CheckpointStats) -> None:
+        self.registry.register(_CheckpointCollector(stats))
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server in a thread; returns the bound port."""

@@ -1,4 +1,5 @@
-"""Assembles the daemon: Redis, recovery, store, servicers, health, reflection, metrics, sweeper.
+"""Assembles the daemon: Redis, recovery, store, servicers, health, reflection, metrics, sweeper,
+checkpoints (and log trimming, offloadd.log.checkpoint).
 
 ``create_server(config)`` recovers state and binds every listener, returning the running
 :class:`Daemon` and its bound ports (``grpc_port``/``metrics_port`` 0 pick free ones), so tests
@@ -26,6 +27,7 @@ from redis.retry import Retry
 from events.state import CacheState
 from offloadd.config import OffloaddConfig
 from offloadd.edge.service import Servicers
+from offloadd.log.checkpoint import Checkpointer
 from offloadd.log.ingest import Ingest
 from offloadd.log.liveness import Liveness
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
@@ -89,6 +91,8 @@ class Daemon:
         self._sweeper: asyncio.Task[None] | None = None
         self._audit: asyncio.Task[None] | None = None
         self._owner_keeper: asyncio.Task[None] | None = None
+        self._checkpoints: asyncio.Task[None] | None = None
+        self.checkpointer: Checkpointer | None = None
         self.recovery: RecoveryReport | None = None
 
     def on_fatal(self, reason: str) -> None:
@@ -104,6 +108,8 @@ class Daemon:
         self.metadata.retake_owner = self.owner.retake
         self._owner_keeper = asyncio.create_task(self.owner.keep(self.on_fatal, self.metadata.refence))
         self.recovery = await recover(self.store)
+        self.checkpointer = Checkpointer(self.metadata, self.config, self.recovery.log_epoch)
+        self.metrics.watch_checkpoints(self.checkpointer.stats)
         # Engines with GPU blocks in the log must reconnect within their lease (3.7).
         self.liveness.lease_all(
             {s for s, m, _ in self.state.counts() if m == "GPU" and s != DAEMON_SOURCE}
@@ -135,6 +141,7 @@ class Daemon:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.create_task(self._sweep_forever())
         self._audit = asyncio.create_task(self._audit_projection())
+        self._checkpoints = asyncio.create_task(self.checkpointer.run())
         return Ports(grpc_port, metrics_port, cfg.unix_socket)
 
     def _bind_unix_socket(self) -> None:
@@ -213,7 +220,7 @@ class Daemon:
         self.store.close()
 
     async def _cancel_tasks(self) -> None:
-        for task in (self._sweeper, self._audit, self._owner_keeper):
+        for task in (self._sweeper, self._audit, self._checkpoints, self._owner_keeper):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

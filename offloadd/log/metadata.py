@@ -149,6 +149,13 @@ end
 if n > 0 then redis.call('SET', KEYS[1], ARGV[4]) end
 return {'ok'}
 """
+# KEYS: owner, log. ARGV: owner value ('' = unchecked), min entry id. A log that is not a
+# stream is left alone (the next write names it).
+_TRIM = """
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'owner'} end
+if redis.call('TYPE', KEYS[2])['ok'] ~= 'stream' then return {'none'} end
+return {'ok', redis.call('XTRIM', KEYS[2], 'MINID', ARGV[2])}
+"""
 _OP_CHUNK = 512  # members per queued command: Lua's unpack() is bounded (~8000 values)
 _FIXED_KEYS = 4
 
@@ -241,6 +248,7 @@ class MetadataStore:
         self._in_doubt: _Batch | None = None
         self._appended = asyncio.Event()
         self._script = client.register_script(_WRITE)
+        self._trim = client.register_script(_TRIM)
         self.owner = ""  # the owner lease value every write is fenced by ('' = unchecked)
         # Takes the owner lease again when it ran out with nobody taking it (offloadd.log.owner)
         self.retake_owner: Callable[[], Awaitable[str]] | None = None
@@ -501,9 +509,10 @@ class MetadataStore:
                                f"{self.repair_hint()}")
         return RedisUnavailable(f"Redis unreachable: {exc}")
 
-    async def iter_log(self, page: int = 2000) -> AsyncIterator[list[LogRecord]]:
-        """The whole log, page by page; the next page is fetched while the caller works."""
-        nxt = asyncio.ensure_future(self.read_range(1, page, validate=False))
+    async def iter_log(self, page: int = 2000, start: int = 1) -> AsyncIterator[list[LogRecord]]:
+        """The log from offset ``start`` on, page by page; the next page is fetched while the
+        caller works."""
+        nxt = asyncio.ensure_future(self.read_range(start, page, validate=False))
         while True:
             records = await nxt
             if not records:
@@ -516,6 +525,32 @@ class MetadataStore:
             except BaseException:
                 nxt.cancel()
                 raise
+
+    async def log_bounds(self) -> tuple[int, int]:
+        """``(oldest retained offset, number of records)`` of the log; (0, 0) when empty."""
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.xrange(self.keys.log, "-", "+", count=1)
+                pipe.xlen(self.keys.log)
+                first, length = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise self._read_error(exc, self.keys.log) from exc
+        return (int(first[0][0].split(b"-")[0]) if first else 0), int(length)
+
+    async def trim_log(self, min_offset: int) -> int:
+        """Drop the records before ``min_offset`` (XTRIM MINID), fenced by the owner lease like
+        every write; the caller never passes an offset past the oldest kept checkpoint + 1
+        (offloadd.log.checkpoint). Returns how many records were dropped."""
+        try:
+            reply = await self._trim(keys=[self.keys.owner, self.keys.log],
+                                     args=[self.owner, entry_id(min_offset)])
+        except (RedisError, OSError) as exc:
+            raise RedisUnavailable(f"Redis unreachable, log not trimmed: {exc}") from exc
+        code = reply[0].decode()
+        if code == "owner":
+            raise OwnershipLost(f"namespace {self.keys.namespace!r} is no longer owned by this "
+                                f"daemon; log trim refused")
+        return int(reply[1]) if code == "ok" else 0
 
     async def engine_gpu_set(self, engine_id: str) -> set[str]:
         try:

@@ -1,6 +1,8 @@
 """Warm restart: rebuild the daemon's state from Redis and the arena files it left behind.
 
-1. Replay the whole log with the one reducer (CacheState): fencing positions and every tier.
+1. Load the newest usable checkpoint into the one reducer (CacheState) and replay the log after
+   it; with no checkpoint, the whole log (offloadd.log.checkpoint): fencing positions and every
+   tier. Recovery time follows resident state plus the tail, not the log's history.
 2. Arena identity: a marker file in arena_dir must match the id stored in Redis. If it does, the
    daemon keeps its incarnation and seq; if not (first start, or /dev/shm was wiped), it starts a
    new incarnation, deletes stale chunk files, logs ``AllBlocksCleared(CPU)`` and forgets the
@@ -31,6 +33,7 @@ import msgspec
 from redis.exceptions import RedisError, WatchError
 
 from events.schema import AllBlocksCleared, BlockRemoved, Event
+from offloadd.log.checkpoint import restore
 from offloadd.log.metadata import Append, Persisted, RedisUnavailable
 from offloadd.log.projection import Pipe, gpu_member
 from offloadd.tier.index import BlockState, SlotEntry
@@ -51,6 +54,7 @@ class RecoveryReport:
     seconds: float
     load_and_replay_seconds: float
     log_epoch: str = ""
+    checkpoint_offset: int = 0  # the checkpoint loaded (0: none, the whole log was replayed)
 
 
 def arena_id_path(arena_dir: str, namespace: str) -> str:
@@ -75,7 +79,9 @@ async def _recover(store: HostStore) -> RecoveryReport:
     loading = asyncio.ensure_future(md.load())  # Redis reads overlap the replay below
     num_records = 0
     try:
-        async for records in md.iter_log():
+        base = await restore(md)
+        base_offset = base.offset if base is not None else 0
+        async for records in md.iter_log(start=base_offset + 1):
             for record in records:
                 md.state.apply(record)
             num_records += len(records)
@@ -106,6 +112,7 @@ async def _recover(store: HostStore) -> RecoveryReport:
     report = RecoveryReport(
         md.head, num_records, sum(lay.index.num_ready for lay in store.all_layouts()),
         dropped, reused, store.source.incarnation, time.perf_counter() - t0, t_replay, epoch,
+        base_offset,
     )
     log.info("recovered %s", report)
     return report

@@ -1,0 +1,422 @@
+"""Checkpoints of the reduced state, and the log's retention horizon (DESIGN.md 3.5).
+
+A checkpoint is ``CacheState.export()`` at an offset O: every source's tiers, fences and
+incarnations, exactly what the reducer holds after the log up to O. What recovery reads besides
+the log (layouts, engines, the daemon's fields, the block projection) lives in keys of its own
+that are written with the records and never trimmed: it is current state, not history, so it is
+not copied here (a copy as of O would only be older than the keys recovery reads).
+
+Writing (:class:`Checkpointer`, a background task of the daemon):
+
+1. the snapshot is taken in memory, synchronously, at the reducer's offset O (records reach the
+   reducer only once the log holds them, so the state at O is what the log holds up to O);
+2. it is encoded in chunks of at most ``CHUNK_EVENTS`` stored-events, each written to
+   ``ckpt:{id}:{i}``, yielding to the event loop between chunks;
+3. one script writes the manifest (offset, epoch, each chunk's xxh3) and swaps the pointer
+   ``ckpt`` (ids of the complete checkpoints, newest first), after checking the owner lease and
+   that the pointer is the one we read: a failure before this leaves the previous one in force;
+4. checkpoints that left the pointer are deleted (``KEEP`` stay: the newest and the one before,
+   so a torn newest falls back to its predecessor), with chunks of writes that never finished;
+5. the log is trimmed to the retention horizon: each of ``retention_records``, ``retention_s``
+   and ``retention_bytes`` is a floor of what is kept and the horizon is the oldest of them (the
+   one keeping most), but never past the oldest kept checkpoint's offset + 1, and the last
+   record always stays (readers find the log's end and epoch in it).
+
+Loading (:func:`restore`, by recovery): the pointer's checkpoints newest first; the first whose
+manifest and chunks verify, of the log's epoch, and whose tail the log still holds (its oldest
+record is at most O + 1) is loaded into the reducer; recovery replays the log from O + 1. With
+none usable the whole log is replayed when it still starts at offset 1; otherwise
+:class:`CheckpointMissing` stops startup, never a wrong state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+import xxhash
+from redis.exceptions import RedisError
+
+from events.schema import SchemaError
+from events.state import CacheState, Snapshot, SourceSnapshot
+from offloadd.config import OffloaddConfig
+from offloadd.errors import ForeignData, OffloaddError
+from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
+
+log = logging.getLogger(__name__)
+
+KEEP: Final[int] = 2  # complete checkpoints kept: the newest and its fallback
+CHUNK_EVENTS: Final[int] = 4096  # stored-events per chunk (a few hundred KiB)
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    ckpt_id: str
+    offset: int
+    epoch: str
+    created_ts: float
+    checksums: tuple[int, ...]  # xxh3_64 of each chunk, in order
+    num_bytes: int
+
+
+class CheckpointMissing(ForeignData):
+    """The log was trimmed and no complete checkpoint covers what it no longer holds."""
+
+
+class CheckpointFailed(OffloaddError):
+    """A checkpoint was not written (the previous one stays in force); retried later."""
+
+
+class _Broken(OffloaddError):
+    """A checkpoint's manifest or one of its chunks is missing or does not verify."""
+
+
+@dataclass
+class CheckpointStats:
+    """Read by the metrics thread; written by the checkpoint task."""
+
+    offset: int = 0
+    created_ts: float = 0.0
+    num_bytes: int = 0
+    first_offset: int = 0
+    log_length: int = 0
+    num_written: int = 0
+    num_failed: int = 0
+    num_trimmed: int = 0
+
+
+_encoder = msgspec.msgpack.Encoder()
+_ids = msgspec.msgpack.Decoder(tuple[str, ...])
+_manifest = msgspec.msgpack.Decoder(Manifest)
+_chunk = msgspec.msgpack.Decoder(tuple[SourceSnapshot, ...])
+
+# KEYS: owner, pointer, then the keys to write. ARGV: owner value ('' = unchecked), '1' when the
+# pointer must still hold ARGV[3] ('' = absent), then per key from KEYS[3]: 'SET'/'DEL', value.
+# Checks first, writes after: a refusal writes nothing.
+_PUT = """
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'owner'} end
+if ARGV[2] == '1' then
+  local t = redis.call('TYPE', KEYS[2])['ok']
+  if t ~= 'none' and t ~= 'string' then return {'wrongtype', KEYS[2], t} end
+  if (redis.call('GET', KEYS[2]) or '') ~= ARGV[3] then return {'moved'} end
+end
+for k = 3, #KEYS do
+  local t = redis.call('TYPE', KEYS[k])['ok']
+  if ARGV[2 * k - 2] == 'SET' and t ~= 'none' and t ~= 'string' then
+    return {'wrongtype', KEYS[k], t}
+  end
+end
+for k = 3, #KEYS do
+  local a = 2 * k - 2
+  if ARGV[a] == 'SET' then redis.call('SET', KEYS[k], ARGV[a + 1]) else redis.call('DEL', KEYS[k]) end
+end
+return {'ok'}
+"""
+
+
+def checkpoint_id(epoch: str, offset: int) -> str:
+    return f"{offset}-{epoch[:8]}"
+
+
+def split(snap: Snapshot, per_chunk: int = CHUNK_EVENTS) -> Iterator[tuple[SourceSnapshot, ...]]:
+    """The snapshot's sources in slices of at most ``per_chunk`` events, in order; a source
+    may span chunks (:func:`join` puts it back together)."""
+    part: list[SourceSnapshot] = []
+    size = 0
+    for src in snap.sources:
+        at = 0
+        while True:
+            take = src.events[at : at + per_chunk - size]
+            part.append(SourceSnapshot(src.source, src.incarnation, src.last_seq, take))
+            size += len(take)
+            at += len(take)
+            if size >= per_chunk:
+                yield tuple(part)
+                part, size = [], 0
+            if at >= len(src.events):
+                break
+    if part:
+        yield tuple(part)
+
+
+def join(offset: int, chunks: list[tuple[SourceSnapshot, ...]]) -> Snapshot:
+    merged: dict[str, tuple[int, int, list[Any]]] = {}
+    for chunk in chunks:
+        for piece in chunk:
+            merged.setdefault(piece.source, (piece.incarnation, piece.last_seq, []))[2].extend(piece.events)
+    return Snapshot(offset, tuple(
+        SourceSnapshot(source, inc, seq, tuple(events)) for source, (inc, seq, events) in merged.items()
+    ))
+
+
+def _decode_ids(raw: bytes | None) -> tuple[str, ...]:
+    if not raw:
+        return ()
+    try:
+        return _ids.decode(raw)
+    except msgspec.DecodeError:
+        log.error("checkpoint pointer holds %r, not a list of ids: ignored", raw[:40])
+        return ()
+
+
+async def _get(md: MetadataStore, key: str) -> bytes | None:
+    try:
+        raw = await md.client.get(key)
+    except (RedisError, OSError) as exc:
+        raise RedisUnavailable(f"Redis unreachable reading {key}: {exc}") from exc
+    return None if raw is None else bytes(raw)
+
+
+async def load(md: MetadataStore, ckpt_id: str) -> tuple[Manifest, Snapshot]:
+    """A checkpoint, verified; _Broken names what is missing or bad."""
+    keys = md.keys
+    try:
+        raw = await md.client.get(keys.checkpoint_manifest(ckpt_id))
+        if raw is None:
+            raise _Broken("manifest missing")
+        manifest = _manifest.decode(raw)
+        if manifest.ckpt_id != ckpt_id:
+            raise _Broken(f"manifest names {manifest.ckpt_id}")
+        async with md.client.pipeline(transaction=False) as pipe:
+            for i in range(len(manifest.checksums)):
+                pipe.get(keys.checkpoint_chunk(ckpt_id, i))
+            datas = await pipe.execute(raise_on_error=False)
+    except (RedisError, OSError) as exc:
+        if isinstance(exc, OSError) or "WRONGTYPE" not in str(exc):
+            raise RedisUnavailable(f"Redis unreachable reading checkpoint {ckpt_id}: {exc}") from exc
+        raise _Broken(str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise _Broken(f"manifest does not decode: {exc}") from exc
+    chunks = []
+    for i, (data, want) in enumerate(zip(datas, manifest.checksums, strict=True)):
+        if not isinstance(data, bytes):
+            raise _Broken(f"chunk {i} {'missing' if data is None else data}")
+        if xxhash.xxh3_64_intdigest(data) != want:
+            raise _Broken(f"chunk {i} checksum mismatch")
+        try:
+            chunks.append(_chunk.decode(data))
+        except msgspec.DecodeError as exc:
+            raise _Broken(f"chunk {i} does not decode: {exc}") from exc
+    return manifest, join(manifest.offset, chunks)
+
+
+def _load_into(state: CacheState, snap: Snapshot) -> None:
+    """Make ``state`` (shared by the store, ingest and metrics) the snapshot's state."""
+    fresh = CacheState.from_snapshot(snap)
+    # In place: every part of the daemon holds this one object. CacheState has no in-place
+    # restore of its own (events/state.py), so its fields are taken over from the fresh one.
+    vars(state).update(vars(fresh))
+
+
+async def restore(md: MetadataStore) -> Manifest | None:
+    """Load the newest usable checkpoint into ``md.state`` (module docstring); None when the
+    whole log is to be replayed. CheckpointMissing when neither is possible."""
+    first, _ = await md.log_bounds()
+    raw_epoch = await _get(md, md.keys.epoch)
+    epoch = raw_epoch.decode(errors="replace") if raw_epoch is not None else None
+    for ckpt_id in _decode_ids(await _get(md, md.keys.checkpoint)):
+        try:
+            manifest, snap = await load(md, ckpt_id)
+        except _Broken as exc:
+            log.error("checkpoint %s is unusable (%s); trying an older one", ckpt_id, exc)
+            continue
+        if manifest.epoch != epoch:
+            log.error("checkpoint %s is of log epoch %s, the log is %s: not used",
+                      ckpt_id, manifest.epoch, epoch)
+            continue
+        if first == 0 or first > manifest.offset + 1:
+            log.error("checkpoint %s at offset %d: the log (oldest record %d) no longer holds "
+                      "its tail; not used", ckpt_id, manifest.offset, first)
+            continue
+        try:
+            _load_into(md.state, snap)
+        except SchemaError as exc:
+            log.error("checkpoint %s holds an invalid event (%s); trying an older one", ckpt_id, exc)
+            continue
+        log.info("loaded checkpoint %s at offset %d", ckpt_id, manifest.offset)
+        return manifest
+    if first > 1:
+        raise CheckpointMissing(
+            f"the log {md.keys.log} starts at offset {first} and no complete checkpoint covers "
+            f"the records before it: refusing to start with a wrong state; restore the "
+            f"checkpoint keys {md.keys.checkpoint}* or start the namespace afresh")
+    return None
+
+
+class Checkpointer:
+    """Writes checkpoints and trims the log (module docstring); the daemon runs :meth:`run`."""
+
+    def __init__(self, md: MetadataStore, config: OffloaddConfig, epoch: str) -> None:
+        self.md = md
+        self.config = config
+        self.epoch = epoch
+        self.stats = CheckpointStats()
+        self.chunk_events = CHUNK_EVENTS
+        self._put = md.client.register_script(_PUT)
+        self._pointer: bytes | None = None  # the pointer as last read or written
+        self._is_dirty = True  # keys of unfinished or dropped checkpoints may be left
+
+    async def run(self) -> None:
+        cfg = self.config
+        last = time.monotonic()
+        await self._quietly(self.prime())
+        while True:
+            await asyncio.sleep(min(1.0, cfg.checkpoint_interval_s))
+            behind = self.md.state.offset - self.stats.offset
+            is_time = time.monotonic() - last >= cfg.checkpoint_interval_s
+            if behind >= cfg.checkpoint_records or (behind > 0 and is_time):
+                last = time.monotonic()
+                await self._quietly(self.write())
+            if is_time or behind >= cfg.checkpoint_records:
+                last = time.monotonic()
+                await self._quietly(self.trim())
+
+    async def _quietly(self, step: Any) -> None:
+        try:
+            await step
+        except (CheckpointFailed, RedisUnavailable, LogConflict) as exc:
+            self.stats.num_failed += 1
+            log.warning("checkpoint or trim failed, the previous checkpoint stays: %s", exc)
+        except Exception:
+            self.stats.num_failed += 1
+            log.exception("checkpoint or trim failed")
+
+    async def prime(self) -> None:
+        """Stats of the newest checkpoint in Redis, and the log's bounds."""
+        self._pointer = await _get(self.md, self.md.keys.checkpoint) or b""
+        for ckpt_id in _decode_ids(self._pointer)[:1]:
+            raw = await _get(self.md, self.md.keys.checkpoint_manifest(ckpt_id))
+            try:
+                manifest = _manifest.decode(raw or b"")
+            except msgspec.DecodeError:
+                continue
+            if manifest.epoch == self.epoch:
+                self._note(manifest)
+        await self._bounds()
+
+    def _note(self, manifest: Manifest) -> None:
+        s = self.stats
+        s.offset, s.created_ts, s.num_bytes = manifest.offset, manifest.created_ts, manifest.num_bytes
+
+    async def write(self) -> Manifest | None:
+        """Write a checkpoint of the state now; None when there is nothing new."""
+        snap = self.md.state.export()  # synchronous: the state at exactly snap.offset
+        if snap.offset == 0 or snap.offset == self.stats.offset:
+            return None
+        if self._pointer is None:
+            self._pointer = await _get(self.md, self.md.keys.checkpoint) or b""
+        keys = self.md.keys
+        ckpt_id = checkpoint_id(self.epoch, snap.offset)
+        checksums: list[int] = []
+        size = 0
+        for i, part in enumerate(split(snap, self.chunk_events)):
+            data = _encoder.encode(part)
+            checksums.append(xxhash.xxh3_64_intdigest(data))
+            size += len(data)
+            self._is_dirty = True
+            await self._call([(keys.checkpoint_chunk(ckpt_id, i), data)])
+            await asyncio.sleep(0)  # encoding is CPU work: let requests in between chunks
+        manifest = Manifest(ckpt_id, snap.offset, self.epoch, time.time(), tuple(checksums), size)
+        kept = tuple(dict.fromkeys((ckpt_id, *_decode_ids(self._pointer))))[:KEEP]
+        pointer = _encoder.encode(kept)
+        try:
+            await self._call([(keys.checkpoint_manifest(ckpt_id), _encoder.encode(manifest)),
+                              (keys.checkpoint, pointer)], expect=self._pointer)
+        except CheckpointFailed:
+            self._pointer = None  # in doubt or moved: read it again next time
+            raise
+        self._pointer = pointer
+        self._note(manifest)
+        self.stats.num_written += 1
+        log.info("checkpoint %s written: offset %d, %d chunks, %d bytes",
+                 ckpt_id, snap.offset, len(checksums), manifest.num_bytes)
+        await self._sweep(kept)
+        return manifest
+
+    async def _call(self, ops: list[tuple[str, bytes | None]], expect: bytes | None = None) -> None:
+        """SET (value) or DEL (None) each key in one fenced script call."""
+        md = self.md
+        args: list[Any] = [md.owner, "0" if expect is None else "1", expect or b""]
+        for _, value in ops:
+            args += ("DEL", b"") if value is None else ("SET", value)
+        try:
+            reply = await self._put(keys=[md.keys.owner, md.keys.checkpoint, *(k for k, _ in ops)],
+                                    args=args)
+        except (RedisError, OSError) as exc:
+            raise CheckpointFailed(f"Redis unreachable or refused the write: {exc}") from exc
+        code = reply[0].decode()
+        if code == "ok":
+            return
+        if code == "owner":
+            raise CheckpointFailed("the namespace's owner lease is not ours: write refused")
+        if code == "moved":
+            raise CheckpointFailed(f"{md.keys.checkpoint} changed under the daemon: not swapped")
+        detail = [d.decode(errors="replace") for d in reply[1:]]
+        raise CheckpointFailed(f"WRONGTYPE: key {detail[0]} is a {detail[1]}, expected a string; "
+                               f"{md.repair_hint()}")
+
+    async def _sweep(self, kept: tuple[str, ...]) -> None:
+        """Delete every checkpoint key whose id is not in ``kept`` (dropped, or never finished)."""
+        if not self._is_dirty:
+            return
+        prefix = self.md.keys.checkpoint_manifest("")
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*"
+        stale: list[str] = []
+        try:
+            async for key in self.md.client.scan_iter(match=pattern, count=1000):
+                name = key.decode(errors="replace")
+                if name[len(prefix):].split(":", 1)[0] not in kept:
+                    stale.append(name)
+        except (RedisError, OSError) as exc:
+            raise CheckpointFailed(f"Redis unreachable listing old checkpoints: {exc}") from exc
+        for at in range(0, len(stale), 256):
+            await self._call([(k, None) for k in stale[at : at + 256]])
+        self._is_dirty = False
+
+    async def trim(self) -> int:
+        """Trim the log to the retention horizon (module docstring); how many records went."""
+        md, cfg = self.md, self.config
+        kept = [int(i.split("-", 1)[0]) for i in _decode_ids(self._pointer)
+                if i.endswith("-" + self.epoch[:8])]
+        first, length = await self._bounds()
+        head = md.head
+        if not kept or first == 0:
+            return 0
+        floors = [head + 1]
+        if cfg.retention_records:
+            floors.append(head - cfg.retention_records + 1)
+        if cfg.retention_s:
+            floors.append(await self._first_since(time.time() - cfg.retention_s, first, head))
+        if cfg.retention_bytes and length:
+            usage = int(await md.client.memory_usage(md.keys.log) or 0)
+            floors.append(head - cfg.retention_bytes * length // max(usage, 1) + 1)
+        min_offset = min(min(floors), min(kept) + 1, head)
+        if min_offset <= first:
+            return 0
+        num = await md.trim_log(min_offset)
+        self.stats.num_trimmed += num
+        log.info("log trimmed: %d records before offset %d dropped", num, min_offset)
+        await self._bounds()
+        return num
+
+    async def _first_since(self, cutoff: float, lo: int, hi: int) -> int:
+        """The first offset in [lo, hi] whose record is stamped at or after ``cutoff``."""
+        end = hi + 1
+        while lo < end:
+            mid = (lo + end) // 2
+            records = await self.md.read_range(mid, 1, validate=False)
+            if records and records[0].ts >= cutoff:
+                end = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    async def _bounds(self) -> tuple[int, int]:
+        first, length = await self.md.log_bounds()
+        self.stats.first_offset, self.stats.log_length = first, length
+        return first, length
