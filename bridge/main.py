@@ -17,6 +17,7 @@ from types import FrameType
 import redis
 import zmq
 
+from bridge.bootstrap import CheckpointReader
 from bridge.config import BridgeConfig, config_from_args
 from bridge.metrics import BridgeMetrics, Health, MetricsServer
 from bridge.position import PositionStore
@@ -41,7 +42,8 @@ def build(config: BridgeConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> Bridge:
     positions = PositionStore(
         client, config.keys.bridge(config.name), REDIS_TRANSIENT, epoch_key=config.keys.epoch
     )
-    return Bridge(config, reader, positions, ctx, BridgeMetrics(), Health())
+    checkpoints = CheckpointReader(client, config.keys, REDIS_TRANSIENT)
+    return Bridge(config, reader, positions, ctx, BridgeMetrics(), Health(), checkpoints)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

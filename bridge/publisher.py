@@ -13,6 +13,15 @@ idle: when Redis lost the log and the daemon started a new one, the bridge publi
 of bridge.epoch and then the new log from offset 1, seqs continuing; ``/healthz`` says
 re-syncing meanwhile.
 
+The daemon trims the log behind its checkpoints (DESIGN 3.5): on a trimmed log the state starts
+from the newest usable checkpoint at or before the bridge's position, plus the records after it
+(bridge.bootstrap, bridge.state). A position before the oldest retained record jumps to the
+newest checkpoint (the mixed stream's seq stays offset - 1, so subscribers see the jump and
+re-bootstrap by snapshot); a position inside the retained log but before every checkpoint keeps
+publishing from there and takes the checkpoint's state when publishing reaches its offset
+(snapshot requests wait for that). A bridge that falls behind the trim while running does the
+same from the oldest record it finds.
+
 Publishing transcodes the stored record straight into the wire layout (bridge.transcode);
 the state, needed only for snapshots, is applied in idle time (bridge.state).
 
@@ -31,6 +40,7 @@ from dataclasses import dataclass
 import zmq
 from prometheus_client import Counter
 
+from bridge.bootstrap import CheckpointReader
 from bridge.config import BridgeConfig
 from bridge.epoch import EpochWatch, Preamble, clear_batches
 from bridge.metrics import BridgeMetrics, Health
@@ -40,6 +50,7 @@ from bridge.seqindex import SeqIndex
 from bridge.state import GcPolicy, LazyState
 from bridge.transcode import Transcoded, batch_for, takes_seq
 from events.logreader import LogReader, LogUnavailable, RawEntry
+from events.schema import SchemaError
 
 log = logging.getLogger("kvbridge")
 
@@ -73,8 +84,10 @@ class Bridge:
         ctx: zmq.Context[zmq.Socket[bytes]],
         metrics: BridgeMetrics | None = None,
         health: Health | None = None,
+        checkpoints: CheckpointReader | None = None,
     ) -> None:
         self.config = config
+        self._checkpoints = checkpoints
         self._reader = reader
         self._positions = positions
         self.metrics = metrics or BridgeMetrics()
@@ -160,7 +173,7 @@ class Bridge:
                         saved.offset, head)
             saved = None
         if self.config.start == "beginning":
-            resume = 0
+            resume = max(0, first - 1)  # the oldest retained record on
         elif self.config.start == "resume" and saved is not None:
             resume = saved.offset
         else:
@@ -172,16 +185,21 @@ class Bridge:
             for stream in self._streams.values():
                 stream.index = SeqIndex()
             self._position = 0
+            jumped, applied = False, 0
+            if first > 1:
+                resume, applied = self._bootstrap(resume, first, epoch)
+                jumped = applied == resume and saved is not None and saved.offset < first - 1
             entries = self._reader.iter_range_raw(1, resume, self.config.read_chunk)
             for n, entry in enumerate(entries):
-                self._state.apply_entry(entry)
+                if entry[0] > applied:
+                    self._state.apply_entry(entry)
                 self._index(entry[0], batch_for(entry[1], self.config.layout))
                 self._position = entry[0]
                 if n % 1000 == 999:
                     self._gc.after_chunk()
             self._gc.after_chunk()
             self._position = max(resume, self._position)
-            self._rebase(saved, first, epoch)
+            self._rebase(saved, first, epoch, jumped)
         self._epochs.epoch = epoch
         self._started = True
         self.metrics.redis_up.set(1)
@@ -193,8 +211,35 @@ class Bridge:
                  self.endpoints.pub, self.endpoints.replay, self.config.topic, self.config.layout,
                  self._position, head)
 
-    def _rebase(self, saved: SavedPosition | None, first: int, epoch: str | None) -> None:
-        """After trimming, old records are gone: continue the saved numbering instead. After
+    def _bootstrap(self, resume: int, first: int, epoch: str | None) -> tuple[int, int]:
+        """The state on a log trimmed before ``first`` (module docstring): (the position to
+        resume after, the offset through which the state already holds the records)."""
+        found = self._checkpoints.usable(epoch, first) if self._checkpoints is not None else []
+        at_or_before = [c for c in found if c[0].offset <= resume]
+        for manifest, snap in at_or_before or found:
+            try:
+                if manifest.offset <= resume:
+                    self._state.start_from(snap)
+                elif resume < first - 1:
+                    log.warning("position %d is before the oldest retained record %d: jumping to the "
+                                "checkpoint at offset %d", resume, first, manifest.offset)
+                    self._state.start_from(snap)
+                    resume = manifest.offset
+                else:
+                    self._state.defer_to(snap)
+            except SchemaError as exc:
+                log.error("checkpoint %s holds an invalid event (%s); trying an older one",
+                          manifest.ckpt_id, exc)
+                continue
+            log.info("state from checkpoint %s at offset %d", manifest.ckpt_id, manifest.offset)
+            return resume, manifest.offset
+        log.error("the log starts at offset %d and no usable checkpoint covers the records before "
+                  "it: snapshots miss the blocks stored before it", first)
+        return resume, 0
+
+    def _rebase(self, saved: SavedPosition | None, first: int, epoch: str | None, jumped: bool) -> None:
+        """After trimming, old records are gone: continue the saved numbering instead (the mixed
+        stream keeps seq = offset - 1 when the position ``jumped`` over trimmed records). After
         an epoch change the numbering starts at the saved base of the epoch."""
         if first <= 1:
             if saved is not None and saved.epoch and saved.epoch == epoch:
@@ -203,7 +248,9 @@ class Bridge:
                         stream.index.rebase(saved.base_seqs[topic])
             return
         for topic, stream in self._streams.items():
-            if saved is not None and topic in saved.next_seqs:
+            if jumped and stream.source is None:
+                stream.index.rebase(first - 1)
+            elif saved is not None and topic in saved.next_seqs:
                 stream.index.rebase(max(0, saved.next_seqs[topic] - len(stream.index)))
             elif stream.source is None:
                 stream.index.rebase(first - 1)
@@ -303,9 +350,25 @@ class Bridge:
         log.warning("log gap: offsets jump from %d to %d (trimmed before they were read); "
                     "continuing from the oldest retained record", self._position, offset)
         self.gap_records.inc(skipped)
+        self._rebootstrap(offset)
         for stream in self._streams.values():
             if stream.source is None:  # everything before the gap left the log: shifting is safe
                 stream.index.rebase(stream.index.base_seq + skipped)
+
+    def _rebootstrap(self, first: int) -> None:
+        """After a gap the state misses the trimmed records: it is the newest usable checkpoint's
+        once publishing reaches it (its offset is at least ``first`` - 1: the log holds its tail)."""
+        found = self._checkpoints.usable(self._epochs.epoch, first) if self._checkpoints is not None else []
+        for manifest, snap in found:
+            try:
+                self._state.defer_to(snap)
+            except SchemaError as exc:
+                log.error("checkpoint %s holds an invalid event (%s)", manifest.ckpt_id, exc)
+                continue
+            log.info("state from checkpoint %s at offset %d after the gap", manifest.ckpt_id, manifest.offset)
+            return
+        log.error("no usable checkpoint covers the records trimmed before offset %d: snapshots miss "
+                  "the blocks stored before it", first)
 
     def _index(self, offset: int, batch: Transcoded | None) -> PublishedStream | None:
         """Give the record its seq on the stream that publishes it (if any)."""
@@ -371,17 +434,29 @@ class Bridge:
             return stream.index.base_seq + stream.index.count_through(offset - 1)
 
     def snapshot_plan(self, topic: bytes | None) -> SnapshotPlan | None:
-        with self._lock:
-            stream = self._stream_by_topic(topic)
-            if stream is None:
-                return None
-            snap = self._state.export()
-            parts = tuple(
-                (s.source, s.events)
-                for s in snap.sources
-                if s.events and (stream.source is None or s.source == stream.source)
-            )
-            return SnapshotPlan(stream.topic_bytes, parts, stream.index.next_seq)
+        """The state and the seq after it; waits (up to the replay send timeout) while the state
+        waits for a checkpoint's offset (bridge.state)."""
+        deadline = time.monotonic() + self.config.replay_send_timeout_s
+        while True:
+            with self._lock:
+                self._state.catch_up()
+                if self._state.is_ready or time.monotonic() > deadline:
+                    return self._snapshot_plan(topic)
+            time.sleep(0.01)
+
+    def _snapshot_plan(self, topic: bytes | None) -> SnapshotPlan | None:
+        if not self._state.is_ready:
+            log.warning("snapshot requested before the state reached its checkpoint: it is incomplete")
+        stream = self._stream_by_topic(topic)
+        if stream is None:
+            return None
+        snap = self._state.export()
+        parts = tuple(
+            (s.source, s.events)
+            for s in snap.sources
+            if s.events and (stream.source is None or s.source == stream.source)
+        )
+        return SnapshotPlan(stream.topic_bytes, parts, stream.index.next_seq)
 
     def _stream_by_topic(self, topic: bytes | None) -> PublishedStream | None:
         if topic is None:

@@ -6,6 +6,11 @@ before any snapshot; past ``max_pending`` waiting, each new record is matched by
 oldest one. A burst goes out at the publishing rate and the state catches up after it, with the
 same total work; a longer one is published at the rate of publishing and applying together,
 without a stall. Callers hold the bridge's lock.
+
+On a trimmed log the state starts from a checkpoint (bridge.bootstrap) at offset O: at once
+(:meth:`start_from`) when the bridge's position is at or after O, or, when it is before O,
+once the records up to O have been applied (:meth:`defer_to`: those are skipped, then the
+checkpoint's state is taken); until then the state is not ready (:attr:`is_ready`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ class LazyState:
         self._max_pending = max_pending
         self._state = CacheState()
         self._pending: deque[RawEntry] = deque()
+        self._base: CacheState | None = None  # a checkpoint's state, taken at its offset
+
+    @property
+    def is_ready(self) -> bool:
+        """False while a deferred checkpoint waits for the records before it."""
+        return self._base is None
 
     @property
     def pending(self) -> int:
@@ -37,6 +48,22 @@ class LazyState:
     def reset(self) -> None:
         self._state = CacheState()
         self._pending.clear()
+        self._base = None
+
+    def start_from(self, snap: Snapshot) -> None:
+        """The state is the checkpoint's (at ``snap.offset``); queued records are dropped.
+        SchemaError on an invalid event, and the state is left as it was."""
+        state = CacheState.from_snapshot(snap)  # a fresh one is swapped in: no in-place restore
+        self._state = state
+        self._pending.clear()
+        self._base = None
+
+    def defer_to(self, snap: Snapshot) -> None:
+        """Start afresh; records up to ``snap.offset`` are skipped and the checkpoint's state is
+        taken when the one at its offset (or a later one) is applied."""
+        base = CacheState.from_snapshot(snap)  # built now: SchemaError here, not mid-publish
+        self.reset()
+        self._base = base
 
     def add(self, entry: RawEntry) -> None:
         pending = self._pending
@@ -54,6 +81,13 @@ class LazyState:
 
     def apply_entry(self, entry: RawEntry) -> None:
         """Decode (validating) and apply one stored record; a bad one is counted and skipped."""
+        base = self._base
+        if base is not None:
+            if entry[0] < base.offset:
+                return  # the checkpoint holds it
+            self._state, self._base = base, None
+            if entry[0] == base.offset:
+                return
         try:
             record = decode_entry(entry)
         except SchemaError as exc:

@@ -1,4 +1,7 @@
-"""``kvctl replay``: the cache state at an offset or a time, as a table or JSON."""
+"""``kvctl replay``: the cache state at an offset or a time, as a table or JSON.
+
+On a trimmed Redis log the state starts from the newest checkpoint at or before the offset asked
+for (kvctl.logsource.open_log) and the output says so."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from typing import Any
 
 from events.state import CacheState
 from kvctl.errors import KvctlError
-from kvctl.logsource import add_source_args, iter_records
+from kvctl.logsource import add_source_args, open_log
 
 
 def register(subparsers: Any) -> None:
@@ -33,14 +36,17 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     until_ts = parse_time(args.until) if args.until else None
-    state, ts = state_at(args, args.at, until_ts)
+    state, ts, note = replayed(args, args.at, until_ts)
     if args.only_source and args.only_source not in state.sources():
         known = ", ".join(state.sources()) or "none"
         raise KvctlError(f"no source {args.only_source!r} at offset {state.offset} (known: {known})")
     if args.json:
-        print(json.dumps(state_json(state, ts, args.only_source), indent=1))
+        out = state_json(state, ts, args.only_source)
+        if note:
+            out["from"] = note
+        print(json.dumps(out, indent=1))
     else:
-        print(state_table(state, ts, args.only_source))
+        print(state_table(state, ts, args.only_source, note))
     return 0
 
 
@@ -48,18 +54,31 @@ def state_at(
     args: argparse.Namespace, at: int | None, until_ts: float | None = None
 ) -> tuple[CacheState, float | None]:
     """The state after offset ``at`` (or the last record at/before ``until_ts``); its ts."""
+    state, ts, _note = replayed(args, at, until_ts)
+    return state, ts
+
+
+def replayed(
+    args: argparse.Namespace, at: int | None, until_ts: float | None = None
+) -> tuple[CacheState, float | None, str]:
+    """:func:`state_at` and where the state started ('' at offset 0, else the checkpoint)."""
     if at is not None and at < 0:
         raise KvctlError(f"--at must be >= 0, got {at}")
-    state = CacheState()
+    view = open_log(args, at, label="replay")
+    if until_ts is not None and view.manifest is not None and until_ts < view.manifest.created_ts:
+        raise KvctlError(f"--until {fmt_ts(until_ts)} is before the checkpoint at offset "
+                         f"{view.manifest.offset} ({fmt_ts(view.manifest.created_ts)}) and the log "
+                         "before it was trimmed; replay an archive from 'kvctl record' for older states")
+    state = view.state()
     last_ts: float | None = None
-    for record in iter_records(args, at, label="replay"):
+    for record in view.records:
         if until_ts is not None and record.ts > until_ts:
             break
         state.apply(record)
         last_ts = record.ts
     if at is not None and state.offset < at:
         raise KvctlError(f"offset {at} is beyond the end of the log (last offset {state.offset})")
-    return state, last_ts
+    return state, last_ts, view.note
 
 
 def parse_time(text: str) -> float:
@@ -97,7 +116,7 @@ def state_json(state: CacheState, ts: float | None, only: str | None = None) -> 
     return {"offset": state.offset, "ts": ts, "sources": sources}
 
 
-def state_table(state: CacheState, ts: float | None, only: str | None = None) -> str:
+def state_table(state: CacheState, ts: float | None, only: str | None = None, note: str = "") -> str:
     rows = [
         (s, m, str(g), str(n))
         for (s, m, g), n in sorted(state.counts().items())
@@ -105,7 +124,7 @@ def state_table(state: CacheState, ts: float | None, only: str | None = None) ->
     ]
     head = ("SOURCE", "MEDIUM", "GROUP", "BLOCKS")
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
-    lines = [f"state at offset {state.offset} ({fmt_ts(ts)})"]
+    lines = [f"state at offset {state.offset} ({fmt_ts(ts)})" + (f", {note}" if note else "")]
     for row in [head, *rows]:
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     if not rows:

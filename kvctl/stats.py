@@ -1,4 +1,7 @@
-"""``kvctl stats``: counts over the log: records, events by type and tier, sources, rates."""
+"""``kvctl stats``: counts over the log: records, events by type and tier, sources, rates.
+
+On a trimmed Redis log the counts are of the records after the newest checkpoint and the
+resident blocks start from it (kvctl.logsource.open_log); the output says so."""
 
 from __future__ import annotations
 
@@ -8,8 +11,7 @@ from collections import Counter
 from typing import Any
 
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
-from events.state import CacheState
-from kvctl.logsource import add_source_args, iter_records
+from kvctl.logsource import add_source_args, open_log
 from kvctl.replay import fmt_ts
 
 
@@ -26,13 +28,14 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    state = CacheState()
+    view = open_log(args, label="stats")
+    state = view.state()
     records, events = 0, Counter[str]()
     per_source: Counter[str] = Counter()
     blocks: Counter[tuple[str, str]] = Counter()  # (event type, medium) -> block count
     first_ts: float | None = None
     last_ts: float | None = None
-    for record in iter_records(args, label="stats"):
+    for record in view.records:
         records += 1
         per_source[record.source] += 1
         first_ts = record.ts if first_ts is None else min(first_ts, record.ts)
@@ -58,11 +61,13 @@ def run(args: argparse.Namespace) -> int:
         "resident_blocks": {f"{s} {m} g{g}": n for (s, m, g), n in sorted(state.counts().items())},
         "violations": len(state.violations),
     }
+    if view.base is not None:
+        out["from_checkpoint"] = view.base.offset
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
     rate = f"{out['records_per_s']:.1f} records/s" if out["records_per_s"] else "-"
-    print(f"records: {records} (last offset {state.offset})")
+    print(f"records: {records} (last offset {state.offset})" + (f", {view.note}" if view.note else ""))
     print(f"time: {fmt_ts(first_ts)} .. {fmt_ts(last_ts)} ({span:.3f} s, {rate})")
     for title, table in (
         ("events", out["events"]), ("blocks in events", out["block_events"]),

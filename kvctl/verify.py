@@ -2,7 +2,10 @@
 
 On a Redis log every stream entry is read, not only those up to the head key: an entry that is
 not a record (appended by hand, another tool) is reported by its entry ID and skipped, and a
-head key that disagrees with the last record is reported too (``kvctl repair`` fixes both)."""
+head key that disagrees with the last record is reported too (``kvctl repair`` fixes both). A
+log trimmed behind a checkpoint is verified from the newest usable checkpoint (its state, then
+the records after it; kvctl.logsource.redis_base) and the report says so; a trimmed log that no
+checkpoint covers is reported as ``trimmed``."""
 
 from __future__ import annotations
 
@@ -16,9 +19,9 @@ from events.logkeys import LogKeys
 from events.logreader import LogReader, LogUnavailable, decode_stored
 from events.records import offset_of
 from events.schema import LogRecord, SchemaError
-from events.state import CacheState, Violation
+from events.state import CacheState, Snapshot, Violation
 from kvctl.errors import KvctlError
-from kvctl.logsource import add_source_args, is_redis, iter_records
+from kvctl.logsource import add_source_args, is_redis, iter_records, redis_base
 
 EXPLAIN = {
     "log_gap": "log offsets are not contiguous",
@@ -47,16 +50,18 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    state = CacheState()
+    base = _checkpoint(args) if is_redis(args.log) else None
+    state = CacheState() if base is None else CacheState.from_snapshot(base)
+    after = 0 if base is None else base.offset
     problems: list[Violation] = []
     first: int | None = None
     records = 0
-    source = _redis_records(args, problems) if is_redis(args.log) else iter_records(args, label="verify")
+    source = _redis_records(args, problems, after) if is_redis(args.log) else iter_records(args, label="verify")
     try:
         for record in source:
             if first is None:
                 first = record.offset
-                if first != 1:
+                if first != 1 and base is None:
                     problems.append(Violation(first, record.source, "trimmed", f"first offset {first}"))
             state.apply(record)
             records += 1
@@ -64,16 +69,34 @@ def run(args: argparse.Namespace) -> int:
         problems.append(Violation(state.offset + 1, "?", "undecodable", str(exc)))
     problems.extend(state.violations)
     problems.sort(key=lambda v: v.offset)
+    note = "" if base is None else f"from checkpoint at offset {base.offset}"
     if args.json:
-        print(json.dumps(_report_json(records, state, problems), indent=1))
+        report = _report_json(records, state, problems)
+        if base is not None:
+            report["from_checkpoint"] = base.offset
+        print(json.dumps(report, indent=1))
     else:
-        print(_report_text(records, state, problems, args.limit))
+        print(_report_text(records, state, problems, args.limit) + (f" ({note})" if note else ""))
     return 1 if problems else 0
 
 
-def _redis_records(args: argparse.Namespace, problems: list[Violation]) -> Iterator[LogRecord]:
-    """Every record of the Redis log; entries that are not records and a wrong head key are
-    appended to ``problems`` instead."""
+def _checkpoint(args: argparse.Namespace) -> Snapshot | None:
+    import redis  # lazy: only the Redis source needs it
+
+    try:
+        keys = LogKeys(args.namespace)
+    except ValueError as exc:
+        raise KvctlError(str(exc)) from None
+    with redis.Redis.from_url(args.log, socket_connect_timeout=3.0, socket_timeout=30.0) as client:
+        return redis_base(client, keys, args.log)[1]
+
+
+def _redis_records(
+    args: argparse.Namespace, problems: list[Violation], after: int = 0,
+) -> Iterator[LogRecord]:
+    """Every record of the Redis log after offset ``after`` (those before are decoded, to
+    check them, not applied); entries that are not records and a wrong head key are appended
+    to ``problems`` instead."""
     import redis  # lazy: only the Redis source needs it
 
     try:
@@ -91,7 +114,8 @@ def _redis_records(args: argparse.Namespace, problems: list[Violation]) -> Itera
                 problems.append(Violation(_offset(eid, last + 1), "?", "undecodable", str(exc)))
                 continue
             last = record.offset
-            yield record
+            if record.offset > after:
+                yield record
         head = client.get(keys.head)
     except LogUnavailable as exc:
         raise KvctlError(f"cannot read the log at {args.log}: {exc}") from None

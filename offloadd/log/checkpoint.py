@@ -22,6 +22,10 @@ Writing (:class:`Checkpointer`, a background task of the daemon):
    one keeping most), but never past the oldest kept checkpoint's offset + 1, and the last
    record always stays (readers find the log's end and epoch in it).
 
+The format (manifest, chunks, checksums, the usability rule) is events.checkpoint, shared with
+kv-bridge and kvctl, which bootstrap from the same checkpoints; this module does the daemon's
+Redis I/O around it.
+
 Loading (:func:`restore`, by recovery): the pointer's checkpoints newest first; the first whose
 manifest and chunks verify, of the log's epoch, and whose tail the log still holds (its oldest
 record is at most O + 1) is loaded into the reducer; recovery replays the log from O + 1. With
@@ -35,16 +39,28 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
-import msgspec
-import xxhash
 from redis.exceptions import RedisError
 
+from events.checkpoint import (
+    CHUNK_EVENTS,
+    CheckpointBroken,
+    Manifest,
+    checkpoint_id,
+    decode_ids,
+    decode_manifest,
+    decode_snapshot,
+    encode_chunk,
+    encode_ids,
+    encode_manifest,
+    join,
+    split,
+    unusable,
+)
 from events.schema import SchemaError
-from events.state import CacheState, Snapshot, SourceSnapshot
+from events.state import CacheState, Snapshot
 from offloadd.config import OffloaddConfig
 from offloadd.errors import ForeignData, OffloaddError
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
@@ -52,16 +68,6 @@ from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
 log = logging.getLogger(__name__)
 
 KEEP: Final[int] = 2  # complete checkpoints kept: the newest and its fallback
-CHUNK_EVENTS: Final[int] = 4096  # stored-events per chunk (a few hundred KiB)
-
-
-class Manifest(msgspec.Struct, frozen=True):
-    ckpt_id: str
-    offset: int
-    epoch: str
-    created_ts: float
-    checksums: tuple[int, ...]  # xxh3_64 of each chunk, in order
-    num_bytes: int
 
 
 class CheckpointMissing(ForeignData):
@@ -70,10 +76,6 @@ class CheckpointMissing(ForeignData):
 
 class CheckpointFailed(OffloaddError):
     """A checkpoint was not written (the previous one stays in force); retried later."""
-
-
-class _Broken(OffloaddError):
-    """A checkpoint's manifest or one of its chunks is missing or does not verify."""
 
 
 @dataclass
@@ -89,11 +91,6 @@ class CheckpointStats:
     num_failed: int = 0
     num_trimmed: int = 0
 
-
-_encoder = msgspec.msgpack.Encoder()
-_ids = msgspec.msgpack.Decoder(tuple[str, ...])
-_manifest = msgspec.msgpack.Decoder(Manifest)
-_chunk = msgspec.msgpack.Decoder(tuple[SourceSnapshot, ...])
 
 # KEYS: owner, pointer, then the keys to write. ARGV: owner value ('' = unchecked), '1' when the
 # pointer must still hold ARGV[3] ('' = absent), then per key from KEYS[3]: 'SET'/'DEL', value.
@@ -119,48 +116,27 @@ return {'ok'}
 """
 
 
-def checkpoint_id(epoch: str, offset: int) -> str:
-    return f"{offset}-{epoch[:8]}"
-
-
-def split(snap: Snapshot, per_chunk: int = CHUNK_EVENTS) -> Iterator[tuple[SourceSnapshot, ...]]:
-    """The snapshot's sources in slices of at most ``per_chunk`` events, in order; a source
-    may span chunks (:func:`join` puts it back together)."""
-    part: list[SourceSnapshot] = []
-    size = 0
-    for src in snap.sources:
-        at = 0
-        while True:
-            take = src.events[at : at + per_chunk - size]
-            part.append(SourceSnapshot(src.source, src.incarnation, src.last_seq, take))
-            size += len(take)
-            at += len(take)
-            if size >= per_chunk:
-                yield tuple(part)
-                part, size = [], 0
-            if at >= len(src.events):
-                break
-    if part:
-        yield tuple(part)
-
-
-def join(offset: int, chunks: list[tuple[SourceSnapshot, ...]]) -> Snapshot:
-    merged: dict[str, tuple[int, int, list[Any]]] = {}
-    for chunk in chunks:
-        for piece in chunk:
-            merged.setdefault(piece.source, (piece.incarnation, piece.last_seq, []))[2].extend(piece.events)
-    return Snapshot(offset, tuple(
-        SourceSnapshot(source, inc, seq, tuple(events)) for source, (inc, seq, events) in merged.items()
-    ))
+__all__ = [
+    "CHUNK_EVENTS",
+    "KEEP",
+    "CheckpointFailed",
+    "CheckpointMissing",
+    "CheckpointStats",
+    "Checkpointer",
+    "Manifest",
+    "checkpoint_id",
+    "join",
+    "load",
+    "restore",
+    "split",
+]
 
 
 def _decode_ids(raw: bytes | None) -> tuple[str, ...]:
-    if not raw:
-        return ()
     try:
-        return _ids.decode(raw)
-    except msgspec.DecodeError:
-        log.error("checkpoint pointer holds %r, not a list of ids: ignored", raw[:40])
+        return decode_ids(raw)
+    except CheckpointBroken as exc:
+        log.error("checkpoint %s: ignored", exc)
         return ()
 
 
@@ -173,15 +149,10 @@ async def _get(md: MetadataStore, key: str) -> bytes | None:
 
 
 async def load(md: MetadataStore, ckpt_id: str) -> tuple[Manifest, Snapshot]:
-    """A checkpoint, verified; _Broken names what is missing or bad."""
+    """A checkpoint, verified (events.checkpoint); CheckpointBroken names what is missing or bad."""
     keys = md.keys
     try:
-        raw = await md.client.get(keys.checkpoint_manifest(ckpt_id))
-        if raw is None:
-            raise _Broken("manifest missing")
-        manifest = _manifest.decode(raw)
-        if manifest.ckpt_id != ckpt_id:
-            raise _Broken(f"manifest names {manifest.ckpt_id}")
+        manifest = decode_manifest(await md.client.get(keys.checkpoint_manifest(ckpt_id)), ckpt_id)
         async with md.client.pipeline(transaction=False) as pipe:
             for i in range(len(manifest.checksums)):
                 pipe.get(keys.checkpoint_chunk(ckpt_id, i))
@@ -189,20 +160,8 @@ async def load(md: MetadataStore, ckpt_id: str) -> tuple[Manifest, Snapshot]:
     except (RedisError, OSError) as exc:
         if isinstance(exc, OSError) or "WRONGTYPE" not in str(exc):
             raise RedisUnavailable(f"Redis unreachable reading checkpoint {ckpt_id}: {exc}") from exc
-        raise _Broken(str(exc)) from exc
-    except msgspec.DecodeError as exc:
-        raise _Broken(f"manifest does not decode: {exc}") from exc
-    chunks = []
-    for i, (data, want) in enumerate(zip(datas, manifest.checksums, strict=True)):
-        if not isinstance(data, bytes):
-            raise _Broken(f"chunk {i} {'missing' if data is None else data}")
-        if xxhash.xxh3_64_intdigest(data) != want:
-            raise _Broken(f"chunk {i} checksum mismatch")
-        try:
-            chunks.append(_chunk.decode(data))
-        except msgspec.DecodeError as exc:
-            raise _Broken(f"chunk {i} does not decode: {exc}") from exc
-    return manifest, join(manifest.offset, chunks)
+        raise CheckpointBroken(str(exc)) from exc
+    return manifest, decode_snapshot(manifest, datas)
 
 
 def _load_into(state: CacheState, snap: Snapshot) -> None:
@@ -222,16 +181,12 @@ async def restore(md: MetadataStore) -> Manifest | None:
     for ckpt_id in _decode_ids(await _get(md, md.keys.checkpoint)):
         try:
             manifest, snap = await load(md, ckpt_id)
-        except _Broken as exc:
+        except CheckpointBroken as exc:
             log.error("checkpoint %s is unusable (%s); trying an older one", ckpt_id, exc)
             continue
-        if manifest.epoch != epoch:
-            log.error("checkpoint %s is of log epoch %s, the log is %s: not used",
-                      ckpt_id, manifest.epoch, epoch)
-            continue
-        if first == 0 or first > manifest.offset + 1:
-            log.error("checkpoint %s at offset %d: the log (oldest record %d) no longer holds "
-                      "its tail; not used", ckpt_id, manifest.offset, first)
+        problem = unusable(manifest, epoch, first)
+        if problem is not None:
+            log.error("checkpoint %s is %s; not used", ckpt_id, problem)
             continue
         try:
             _load_into(md.state, snap)
@@ -292,8 +247,8 @@ class Checkpointer:
         for ckpt_id in _decode_ids(self._pointer)[:1]:
             raw = await _get(self.md, self.md.keys.checkpoint_manifest(ckpt_id))
             try:
-                manifest = _manifest.decode(raw or b"")
-            except msgspec.DecodeError:
+                manifest = decode_manifest(raw, ckpt_id)
+            except CheckpointBroken:
                 continue
             if manifest.epoch == self.epoch:
                 self._note(manifest)
@@ -315,17 +270,17 @@ class Checkpointer:
         checksums: list[int] = []
         size = 0
         for i, part in enumerate(split(snap, self.chunk_events)):
-            data = _encoder.encode(part)
-            checksums.append(xxhash.xxh3_64_intdigest(data))
+            data, checksum = encode_chunk(part)
+            checksums.append(checksum)
             size += len(data)
             self._is_dirty = True
             await self._call([(keys.checkpoint_chunk(ckpt_id, i), data)])
             await asyncio.sleep(0)  # encoding is CPU work: let requests in between chunks
         manifest = Manifest(ckpt_id, snap.offset, self.epoch, time.time(), tuple(checksums), size)
         kept = tuple(dict.fromkeys((ckpt_id, *_decode_ids(self._pointer))))[:KEEP]
-        pointer = _encoder.encode(kept)
+        pointer = encode_ids(kept)
         try:
-            await self._call([(keys.checkpoint_manifest(ckpt_id), _encoder.encode(manifest)),
+            await self._call([(keys.checkpoint_manifest(ckpt_id), encode_manifest(manifest)),
                               (keys.checkpoint, pointer)], expect=self._pointer)
         except CheckpointFailed:
             self._pointer = None  # in doubt or moved: read it again next time

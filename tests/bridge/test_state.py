@@ -43,3 +43,34 @@ def test_max_pending_zero_applies_inline_and_bad_entries_count_as_violations() -
     assert metrics.registry.get_sample_value("kvbridge_state_violations_total") == 3
     snap = lazy.export()
     assert snap.offset == 3 and [e.block_hashes for e in snap.sources[0].events] == [(1, 3)]
+
+
+def _state(records: list[LogRecord]) -> CacheState:
+    state = CacheState()
+    for r in records:
+        state.apply(r)
+    return state
+
+
+def test_start_from_a_checkpoint_then_the_tail() -> None:
+    records = _records(10)
+    lazy = LazyState(BridgeMetrics())
+    lazy.add((1, encode_record(records[0])))  # queued before: dropped with the old state
+    lazy.start_from(_state(records[:6]).export())
+    for r in records[6:]:
+        lazy.add((r.offset, encode_record(r)))
+    assert lazy.is_ready and lazy.export() == _state(records).export()
+
+
+def test_a_deferred_checkpoint_is_taken_at_its_offset() -> None:
+    records = _records(10)
+    lazy = LazyState(BridgeMetrics(), max_pending=0)
+    lazy.defer_to(_state(records[:6]).export())
+    for r in records[3:5]:  # before the checkpoint: it holds them, they are skipped
+        lazy.add((r.offset, encode_record(r)))
+        assert not lazy.is_ready
+    lazy.add((6, encode_record(records[5])))
+    assert lazy.is_ready and lazy.export() == _state(records[:6]).export()
+    for r in records[6:]:
+        lazy.add((r.offset, encode_record(r)))
+    assert lazy.export() == _state(records).export()
