@@ -17,3 +17,11 @@ class SeqIndexError(BridgeError, ValueError):
 
 class PeerGone(BridgeError):
     """A replay client stopped reading; its reply is abandoned, the service goes on."""
+
+
+class ForeignEntry(BridgeError):
+    """A log entry the daemon did not write: the bridge holds before it (never skips it)."""
+
+    def __init__(self, offset: int) -> None:
+        super().__init__(f"log entry {offset} is not a record the daemon wrote")
+        self.offset = offset

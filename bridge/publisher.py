@@ -43,12 +43,13 @@ from prometheus_client import Counter
 from bridge.bootstrap import CheckpointReader
 from bridge.config import BridgeConfig
 from bridge.epoch import EpochWatch, Preamble, clear_batches
+from bridge.errors import ForeignEntry
 from bridge.metrics import BridgeMetrics, Health
 from bridge.position import PositionStore, SavedPosition
 from bridge.replay_server import ReplayPlan, ReplayServer, SnapshotPlan
 from bridge.seqindex import SeqIndex
 from bridge.state import GcPolicy, LazyState
-from bridge.transcode import Transcoded, batch_for, takes_seq
+from bridge.transcode import Transcoded, batch_for, is_foreign, takes_seq
 from events.logreader import LogReader, LogUnavailable, RawEntry
 from events.schema import SchemaError
 
@@ -97,6 +98,7 @@ class Bridge:
         self._gc = GcPolicy(config.full_gc_interval_s)
         self._streams: dict[str, PublishedStream] = {}
         self._position = 0  # last log offset published (its apply may still be pending)
+        self._held_at = 0  # a foreign log entry the bridge waits before (0: none)
         self._events_in_chunk = 0
         self._saved_position = -1
         self._last_save = 0.0
@@ -271,17 +273,43 @@ class Bridge:
         if records:
             published = 0
             self._events_in_chunk = 0
+            foreign = None
             with self._lock:
-                for record in records:
-                    published += self._publish(record)
-            self._count(records, published)
-            epochs.published(self._position)
+                for i, record in enumerate(records):
+                    try:
+                        published += self._publish(record)
+                    except ForeignEntry as exc:
+                        foreign, records = exc.offset, records[:i]
+                        break
+            if records:
+                self._count(records, published)
+                epochs.published(self._position)
+            if foreign is not None:
+                self._hold(foreign)
+                return
+            if self._held_at:
+                log.info("log entry %d is a record again: publishing", self._held_at)
+                self._held_at = 0
+                self.health.set(redis_ok=True, detail=f"publishing after offset {self._position}",
+                                ready=True)
         elif self._state.pending:
             with self._lock:
                 # Small slices keep a record that arrives meanwhile from waiting long.
                 self._state.catch_up(limit=200)
         self._gc.after_chunk()
         self._save(force=False)
+
+    def _hold(self, offset: int) -> None:
+        """Stay before a foreign entry: never publish past it, never skip it (the daemon's real
+        record takes that offset once ``kvctl repair --drop-foreign`` removed it)."""
+        if self._held_at != offset:
+            log.error("log entry %d is not a record the daemon wrote: holding at offset %d; "
+                      "inspect with 'kvctl verify', remove it with 'kvctl repair --drop-foreign'",
+                      offset, self._position)
+            self._held_at = offset
+        self.health.set(redis_ok=True, ready=False,
+                        detail=f"held before foreign log entry {offset}: run kvctl repair --drop-foreign")
+        time.sleep(self.config.poll_block_ms / 1000)
 
     def _check_epoch(self, moved_back: bool) -> bool:
         """True when the log is still the one being published; a new one is opened."""
@@ -324,12 +352,15 @@ class Bridge:
         m.published_batches.labels(topic).inc(published)
 
     def _publish(self, entry: RawEntry) -> int:
-        """Publish one record on its stream (1 when published); its apply is queued."""
+        """Publish one record on its stream (1 when published); its apply is queued.
+        ForeignEntry, and nothing changed, for an entry the daemon did not write."""
         offset, data = entry
+        batch = batch_for(data, self.config.layout)
+        if batch is None and is_foreign(offset, data):
+            raise ForeignEntry(offset)
         if offset != self._position + 1 and self._position:
             self._skip(offset)
         self._state.add(entry)
-        batch = batch_for(data, self.config.layout)
         stream = self._index(offset, batch)
         self._position = offset
         if stream is None or batch is None:

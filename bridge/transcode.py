@@ -11,13 +11,13 @@ decode and schema validation of the record happen when the bridge applies it to 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 
 from events.codec_vllm import encode_batch
 from events.records import decode_record, decode_record_view
-from events.schema import SchemaError
+from events.schema import LogRecord, SchemaError
 
 
 class Transcoded(msgspec.Struct, frozen=True):
@@ -59,3 +59,21 @@ def takes_seq(batch: Transcoded | None, source: str | None) -> bool:
     The wire never carries an empty batch, so a record without events takes no seq.
     """
     return batch is not None and batch.num_events > 0 and (source is None or batch.source == source)
+
+
+_RECORD_SHAPE: Final = msgspec.msgpack.Decoder(LogRecord)  # the stored shape, events unvalidated
+
+
+def is_foreign(offset: int, data: bytes) -> bool:
+    """An entry the daemon did not write: no record in it, or a record of another offset.
+
+    The bridge never moves past one (kvctl repair removes it and the daemon writes the real
+    record at that offset); a record of the daemon's whose events cannot be read is not foreign:
+    it takes no seq, as :func:`batch_for` says.
+    """
+    if not data:
+        return True
+    try:
+        return _RECORD_SHAPE.decode(data).offset != offset
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return True
