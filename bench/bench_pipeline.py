@@ -3,7 +3,8 @@
     python bench/bench_pipeline.py [--shape a|b|c ...] [--scale 1.0] [--out bench/results/pipeline.json]
 
 What the user of the stream experiences: engines publish GPU-tier batches on EventIngest.Publish
-streams (real gRPC, one process per stream, batches pre-encoded so the client is not the limit),
+streams (real gRPC, one process per stream, its messages built before the clock starts so the
+client is not the limit),
 a real ``offloadd`` fences and appends them to its Redis log, a real ``kv-bridge`` republishes the
 log in vLLM's wire format, and this process subscribes on SUB, checks that the published seq is
 contiguous and counts every block event (nothing lost). Shapes (issue "durable core"):
@@ -67,7 +68,7 @@ def shape_batches(shape: str, scale: float, seed: int = 0) -> list[list[tuple[Ev
     out: list[list[tuple[Event, ...]]] = []
     next_hash = 1
     for _ in range(streams):
-        batches = []
+        batches: list[tuple[Event, ...]] = []
         for _ in range(n):
             k = rng.randint(*sizes)
             if shape == "b":  # one event of k chained hashes
@@ -89,20 +90,27 @@ def block_events(batch: tuple[Event, ...]) -> int:
 # -- the engine side: one process per Publish stream ---------------------------------------------
 
 def engine_stream(target: str, engine_id: str, batches: list[tuple[Event, ...]],
-                  block_events_per_s: float | None, result: Any) -> None:
-    """Publish every batch on one stream (paced or not); put (acked, applied, seconds)."""
+                  block_events_per_s: float | None, result: Any, ready: Any, go: Any) -> None:
+    """Publish every batch on one stream (paced or not); put (acked, applied, seconds). The
+    messages are built first (put on ``ready``); the stream starts when ``go`` is set."""
     n = len(batches)
     total = sum(block_events(b) for b in batches)
     pace = None if block_events_per_s is None else total / block_events_per_s / n
 
+    msgs = [batch_to_proto(EventBatch(engine_id, 1, i + 1, 0.0, events))
+            for i, events in enumerate(batches)]  # built before the clock starts
+    ready.put(engine_id)
+    go.wait()
+
     def requests() -> Any:
         start = time.time()
-        for i, events in enumerate(batches):
+        for i, msg in enumerate(msgs):
             if pace is not None:
                 delay = start + i * pace - time.time()
                 if delay > 0:
                     time.sleep(delay)
-            yield batch_to_proto(EventBatch(engine_id, 1, i + 1, time.time(), events))
+            msg.ts = time.time()
+            yield msg
 
     t0 = time.perf_counter()
     applied = 0
@@ -155,17 +163,22 @@ def run_pipeline(work: Path, streams: list[list[tuple[Event, ...]]],
     time.sleep(1.0)
     spawn = mp.get_context("spawn")
     results: Any = spawn.Queue()
+    ready: Any = spawn.Queue()
+    go = spawn.Event()
     procs = [spawn.Process(target=engine_stream,
                            args=(daemon.target, f"engine-{i}", batches,
                                  None if block_events_per_s is None else block_events_per_s / len(streams),
-                                 results))
+                                 results, ready, go))
              for i, batches in enumerate(streams)]
     n = sum(len(b) for b in streams)
     total = sum(block_events(b) for s in streams for b in s)
     try:
-        t0 = time.time()
         for p in procs:
             p.start()
+        for _ in procs:
+            ready.get(timeout=120)
+        t0 = time.time()
+        go.set()
         got = receive(sub, n, idle_s=20.0)
         wall = time.time() - t0
         for p in procs:

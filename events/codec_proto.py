@@ -1,8 +1,9 @@
 """Protobuf messages (kvcache.v1) <-> domain events, batches, log records and snapshots.
 
 Used at the gRPC edge: servicers convert with these functions and work on domain types only.
-Decoding validates (``validate_event``) and raises SchemaError naming the field. Imports only
-the generated message modules, never grpc.
+Decoding validates (what ``validate_event`` checks that the proto field types do not already
+guarantee) and raises SchemaError naming the field. Imports only the generated message modules,
+never grpc.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from events.schema import (
     Medium,
     SchemaError,
     SpecKind,
-    validate_event,
+    check_extra_keys,
 )
 from events.state import Snapshot, SourceSnapshot
 
@@ -96,27 +97,24 @@ def _event_to_proto(event: Event) -> events_pb2.KvEvent:
 
 
 def event_from_proto(msg: events_pb2.KvEvent) -> Event:
+    """Decode and validate one event. The proto field types already guarantee what
+    ``validate_event`` checks of ranges (fixed64 hashes, uint32 groups and sizes), so only the
+    rest is checked here, with the same messages; every event this returns passes it."""
     which = msg.WhichOneof("event")
-    event: Event
     if which == "block_stored":
-        event = _stored_from_proto(msg.block_stored)
-    elif which == "block_removed":
+        return _stored_from_proto(msg.block_stored)
+    if which == "block_removed":
         m = msg.block_removed
-        event = BlockRemoved(
-            block_hashes=tuple(m.block_hashes),
-            medium=_required_medium(m.medium, "BlockRemoved"),
-            group_idx=m.group_idx,
-        )
-    elif which == "all_blocks_cleared":
-        event = AllBlocksCleared(medium=_medium(msg.all_blocks_cleared.medium, "AllBlocksCleared"))
-    else:
-        raise SchemaError("KvEvent.event: required (one of block_stored, block_removed, ...)")
-    validate_event(event)
-    return event
+        return BlockRemoved(tuple(m.block_hashes[:]), _required_medium(m.medium, "BlockRemoved"),
+                            m.group_idx)
+    if which == "all_blocks_cleared":
+        return AllBlocksCleared(_medium(msg.all_blocks_cleared.medium, "AllBlocksCleared"))
+    raise SchemaError("KvEvent.event: required (one of block_stored, block_removed, ...)")
 
 
 def _stored_from_proto(m: events_pb2.BlockStored) -> BlockStored:
-    if m.kv_cache_spec_kind not in _KIND_FROM_PB:
+    kind = _KIND_FROM_PB.get(m.kv_cache_spec_kind)
+    if kind is None:
         raise SchemaError(f"BlockStored.kv_cache_spec_kind: unknown value {m.kv_cache_spec_kind}")
     extra: tuple[Any, ...] | None = None
     if m.extra_keys:
@@ -124,17 +122,37 @@ def _stored_from_proto(m: events_pb2.BlockStored) -> BlockStored:
             extra = tuple(freeze_arrays(cbor2.loads(k)) for k in m.extra_keys)
         except (cbor2.CBORDecodeError, ValueError, TypeError) as exc:
             raise SchemaError(f"BlockStored.extra_keys: bad CBOR: {exc}") from exc
+    medium = _MEDIUM_FROM_PB.get(m.medium)
+    if medium is None:
+        medium = _required_medium(m.medium, "BlockStored")  # raises, naming what is wrong
+    hashes = tuple(m.block_hashes[:])  # a slice copies a repeated field faster than iterating
+    if not hashes:
+        raise SchemaError("BlockStored.block_hashes: must not be empty")
+    size = m.block_size
+    if size == 0:
+        raise SchemaError("BlockStored.block_size: must be > 0, got 0")
+    tokens = tuple(m.token_ids[:])
+    if len(tokens) != len(hashes) * size:
+        raise SchemaError(
+            f"BlockStored.token_ids: expected {len(hashes) * size} ids "
+            f"({len(hashes)} blocks x {size}), got {len(tokens)}"
+        )
+    if extra is not None:
+        if len(extra) != len(hashes):
+            raise SchemaError("BlockStored.extra_keys: need one entry per block hash")
+        for i, keys in enumerate(extra):
+            check_extra_keys(keys, f"BlockStored.extra_keys[{i}]")
     return BlockStored(
-        block_hashes=tuple(m.block_hashes),
-        parent_block_hash=m.parent_block_hash if m.HasField("parent_block_hash") else None,
-        token_ids=tuple(m.token_ids),
-        block_size=m.block_size,
-        medium=_required_medium(m.medium, "BlockStored"),
-        group_idx=m.group_idx,
-        kv_cache_spec_kind=_KIND_FROM_PB[m.kv_cache_spec_kind],
-        sliding_window=m.sliding_window if m.HasField("sliding_window") else None,
-        lora_name=m.lora_name if m.HasField("lora_name") else None,
-        extra_keys=extra,
+        hashes,
+        m.parent_block_hash if m.HasField("parent_block_hash") else None,
+        tokens,
+        size,
+        medium,
+        m.group_idx,
+        kind,
+        m.sliding_window if m.HasField("sliding_window") else None,
+        m.lora_name if m.HasField("lora_name") else None,
+        extra,
     )
 
 
@@ -152,7 +170,7 @@ def _required_medium(value: int, owner: str) -> Medium:
 
 
 def _events_from_proto(msgs: Any) -> tuple[Event, ...]:
-    return tuple(event_from_proto(m) for m in msgs)
+    return tuple([event_from_proto(m) for m in msgs])
 
 
 def _events_to_proto(events: tuple[Event, ...]) -> list[events_pb2.KvEvent]:

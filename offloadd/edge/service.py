@@ -29,7 +29,7 @@ from offloadd.errors import (
     RequestError,
     ResourceExhausted,
 )
-from offloadd.log.ingest import Ingest
+from offloadd.log.ingest import Ack, Ingest
 from offloadd.log.liveness import Liveness
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
 from offloadd.metrics import DaemonMetrics
@@ -51,6 +51,9 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
 ]
 Context = grpc.aio.ServicerContext[Any, Any]
 ENGINE_ID_HEADER = "kvd-engine-id"  # Publish metadata: the engine whose liveness the stream is
+PUBLISH_WINDOW = 64  # batches of one Publish stream submitted ahead of their acks
+# What a Publish stream answers, in order: an ack already made, or a batch and its future ack
+_Answer = Message | tuple[events_pb2.EventBatch, "asyncio.Future[Ack]"]
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode | None:
@@ -192,14 +195,43 @@ class Servicers:
         cannot tell these apart reliably) is broken: cleared after the engine lease unless the
         engine comes back. On the daemon's own stop it returns and says nothing.
 
-        A stream waiting for its next batch is in ``_reading``: ``stop()`` cancels those tasks
-        (no extra task per message on the hot path); a stream busy with a batch answers it and
-        returns when it sees ``stopping``."""
+        Batches are pipelined: one reader task per stream fences and hands each batch to the
+        log as it arrives (``Ingest.submit``), up to PUBLISH_WINDOW ahead of the answers, so
+        the batches of a stream share Redis writes; this generator answers them in order, each
+        once it is durable (the acks are those of handling them one at a time). The reader,
+        while it waits for a batch, is in ``_reading``: ``stop()`` cancels it; the batches it
+        submitted are answered, then the stream returns."""
         engines: set[str] = set()
         departed: set[str] = set()
         header = dict(context.invocation_metadata() or ()).get(ENGINE_ID_HEADER)
         if isinstance(header, str):
             self._bind(engines, header)
+        answers: asyncio.Queue[_Answer | None] = asyncio.Queue(PUBLISH_WINDOW)
+        reader = asyncio.ensure_future(self._read_batches(requests, engines, departed, answers))
+        try:
+            while (answer := await answers.get()) is not None:
+                if isinstance(answer, Message):
+                    yield answer
+                    continue
+                msg, acked = answer
+                try:
+                    ack = await acked
+                except (InvalidArgument, RedisUnavailable, LogConflict) as exc:
+                    await self._abort_publish(context, exc)
+                    return
+                yield self._ack_to_proto(msg, ack)
+        finally:
+            reader.cancel()
+            stopping = self.stopping.is_set()
+            for engine_id in engines:
+                self.liveness.closed(engine_id, engine_id in departed and not stopping)
+
+    async def _read_batches(
+        self, requests: AsyncIterator[bytes], engines: set[str], departed: set[str],
+        answers: asyncio.Queue[_Answer | None],
+    ) -> None:
+        """Read, fence and submit the stream's batches in order; ``None`` after the last. An
+        error ends the stream after the answers before it (a failed future carries it)."""
         task = asyncio.current_task()
         try:
             while not self.stopping.is_set():
@@ -215,48 +247,51 @@ class Servicers:
                     raise
                 finally:
                     self._reading.discard(task)  # type: ignore[arg-type]
-                try:
-                    msg = parse(raw, events_pb2.EventBatch, "Publish")
-                except InvalidArgument as exc:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                    return
+                msg = parse(raw, events_pb2.EventBatch, "Publish")
                 self._bind(engines, msg.engine_id)
                 if msg.departing:
                     departed.add(msg.engine_id)  # no answer: the sender half-closes next
                     continue
-                yield await self._publish_one(msg, context)
-        finally:
-            stopping = self.stopping.is_set()
-            for engine_id in engines:
-                self.liveness.closed(engine_id, engine_id in departed and not stopping)
+                await answers.put(await self._submit(msg))  # waits while the window is full
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            failed: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc)
+            await answers.put((events_pb2.EventBatch(), failed))
+        await answers.put(None)
 
     def _bind(self, engines: set[str], engine_id: str) -> None:
         if engine_id and engine_id != DAEMON_SOURCE and engine_id not in engines:
             engines.add(engine_id)
             self.liveness.opened(engine_id)
 
-    async def _publish_one(self, msg: events_pb2.EventBatch, context: Context) -> Message:
-        head = {"engine_id": msg.engine_id, "incarnation": msg.incarnation, "seq": msg.seq}
+    async def _submit(self, msg: events_pb2.EventBatch) -> _Answer:
         try:
             batch = batch_from_proto(msg)
         except SchemaError as exc:
             self.ingest.num_rejected += 1
-            return log_pb2.PublishAck(**head, status=log_pb2.PublishAck.STATUS_REJECTED,
+            return log_pb2.PublishAck(engine_id=msg.engine_id, incarnation=msg.incarnation,
+                                      seq=msg.seq, status=log_pb2.PublishAck.STATUS_REJECTED,
                                       message=f"malformed batch: {exc}")
-        try:
-            ack = await self.ingest.publish(batch)
-        except RedisUnavailable as exc:
+        return msg, await self.ingest.submit(batch)
+
+    async def _abort_publish(self, context: Context, exc: Exception) -> None:
+        if isinstance(exc, InvalidArgument):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        elif isinstance(exc, RedisUnavailable):
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"Publish: {exc}; keep the batch and resend after reconnecting")
-            raise
-        except LogConflict as exc:
+        else:
             self.on_fatal(str(exc))
             await context.abort(grpc.StatusCode.INTERNAL, f"Publish: {exc}")
-            raise
-        if ack.status == 1 and batch.ts > 0:
-            self.metrics.ingest_lag.observe(max(0.0, time.time() - batch.ts))
+
+    def _ack_to_proto(self, msg: events_pb2.EventBatch, ack: Ack) -> Message:
+        if ack.status == 1 and msg.ts > 0:
+            self.metrics.ingest_lag.observe(max(0.0, time.time() - msg.ts))
         return log_pb2.PublishAck(
-            **head, status=int(ack.status), acked_seq=ack.acked_seq,  # type: ignore[arg-type]
+            engine_id=msg.engine_id, incarnation=msg.incarnation, seq=msg.seq,
+            status=int(ack.status), acked_seq=ack.acked_seq,  # type: ignore[arg-type]
             resend_from=ack.resend_from, log_offset=ack.log_offset, message=ack.message,
             log_epoch=ack.log_epoch,
         )

@@ -8,6 +8,11 @@
   (the stream stays open; IngestStream answers by starting a new incarnation).
 Engines need not be registered to publish events (events only; RegisterEngine is for the arena).
 
+Batches are pipelined (``submit``): the next batch of an incarnation is fenced against the last
+one handed to the log before that one is durable, so one stream's batches share Redis writes.
+The acks are those of handling the batches one at a time, and nothing after a batch that was not
+written is written: its successors are refused as their write is built (``ChainBroken``).
+
 Every ack carries the log's epoch (``LogKeys.epoch``, set by recovery): an engine whose acks
 change epoch, or that is asked to resend batches it already had acked, knows the log lost its
 batches and re-announces its GPU tier under a new incarnation (offloadd.client.ingest_stream).
@@ -22,10 +27,8 @@ duplicate is still a duplicate, and an older incarnation is still fenced out.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import enum
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
@@ -65,6 +68,23 @@ class _EngineLock:
     users: int = 0  # holders and waiters
 
 
+@dataclass
+class _Chain:
+    """An engine's batches handed to the log and not yet settled, in seq order. The next batch
+    of the same incarnation is fenced against the last of them rather than waiting for it to be
+    durable; once one fails (``is_broken``) none after it is written (``Ingest._append``)."""
+
+    incarnation: int
+    last_seq: int
+    num_pending: int = 0
+    is_broken: bool = False
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # set when none is pending
+
+
+class ChainBroken(Exception):
+    """An earlier batch of the engine was not written, so this one must not be either."""
+
+
 class Ingest:
     def __init__(
         self, metadata: MetadataStore, state: CacheState, max_batch_events: int,
@@ -75,6 +95,7 @@ class Ingest:
         self.max_batch_events = max_batch_events
         self.max_id_bytes = max_id_bytes
         self._locks: dict[str, _EngineLock] = {}  # per engine, only while someone uses it
+        self._chains: dict[str, _Chain] = {}  # per engine, only while it has batches pending
         self.num_applied = 0
         self.num_events = 0
         self.num_duplicate = 0
@@ -84,17 +105,38 @@ class Ingest:
 
     async def publish(self, batch: EventBatch) -> Ack:
         """Fence and apply one batch; raises RedisUnavailable when it cannot be made durable."""
+        return await (await self.submit(batch))
+
+    async def submit(self, batch: EventBatch) -> asyncio.Future[Ack]:
+        """Fence ``batch`` and hand it to the log without waiting for it to be durable; the
+        future is its ack, or raises what ``publish`` raises. Batches are fenced in the order
+        submitted, and the acks are exactly those of publishing them one after the other: a
+        batch that follows an engine's pending one is fenced against it, anything else waits
+        until the engine has none pending. Raises RedisUnavailable when the epoch is unknown."""
+        epoch = self.log_epoch or await self.epoch()
         if len(batch.engine_id.encode()) > self.max_id_bytes:
-            ack = Ack(AckStatus.REJECTED, message=f"engine_id is longer than {self.max_id_bytes} bytes")
-        else:
-            ack = await self._publish_locked(batch)
+            return self._answer(Ack(AckStatus.REJECTED,
+                                    message=f"engine_id is longer than {self.max_id_bytes} bytes"))
+        entry = self._hold(batch.engine_id)
+        try:
+            async with entry.lock:
+                fenced = await self._fence(batch)
+        finally:
+            self._let_go(batch.engine_id, entry)
+        if isinstance(fenced, Ack):
+            return self._answer(dataclasses.replace(fenced, log_epoch=epoch))
+        return fenced
+
+    def _answer(self, ack: Ack) -> asyncio.Future[Ack]:
         if ack.status is AckStatus.DUPLICATE:
             self.num_duplicate += 1
         elif ack.status is AckStatus.RESEND:
             self.num_resend += 1
         elif ack.status is AckStatus.REJECTED:
             self.num_rejected += 1
-        return dataclasses.replace(ack, log_epoch=await self.epoch())
+        answer: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
+        answer.set_result(ack)
+        return answer
 
     async def epoch(self) -> str:
         """The log's epoch, read once; "" when Redis has none (a log older than epochs)."""
@@ -107,28 +149,43 @@ class Ingest:
             self.log_epoch = raw.decode() if isinstance(raw, bytes) else (raw or "")
         return self.log_epoch
 
-    async def _publish_locked(self, batch: EventBatch) -> Ack:
-        """One engine's batches are fenced one at a time, even across streams; its lock lives
-        only while someone holds or waits on it, so rejected input leaves nothing behind."""
-        async with self._engine_lock(batch.engine_id):
-            return await self._publish(batch)
-
-    @contextlib.asynccontextmanager
-    async def _engine_lock(self, engine_id: str) -> AsyncIterator[None]:
-        """Hold ``engine_id``'s lock; its entry lives only while held or waited on."""
+    def _hold(self, engine_id: str) -> _EngineLock:
+        """``engine_id``'s lock entry, counted as used until ``_let_go``. One engine's batches
+        are fenced one at a time, even across streams; the entry lives only while someone
+        holds or waits on it, so rejected input leaves nothing behind."""
         entry = self._locks.get(engine_id)
         if entry is None:
             entry = self._locks[engine_id] = _EngineLock()
         entry.users += 1
-        try:
-            async with entry.lock:
-                yield
-        finally:
-            entry.users -= 1
-            if entry.users == 0:
-                del self._locks[engine_id]
+        return entry
 
-    async def _publish(self, batch: EventBatch) -> Ack:
+    def _let_go(self, engine_id: str, entry: _EngineLock) -> None:
+        entry.users -= 1
+        if entry.users == 0:
+            del self._locks[engine_id]
+
+    async def _fence(self, batch: EventBatch) -> Ack | asyncio.Future[Ack]:
+        """Under the engine's lock: the ack, or the future ack of the append started."""
+        chain = self._chains.get(batch.engine_id)
+        if chain is not None:
+            if (not chain.is_broken and batch.incarnation == chain.incarnation
+                    and batch.seq == chain.last_seq + 1 and not self._problem(batch)):
+                return self._start_append(batch, batch.events, chain)
+            await self._settled(batch.engine_id)
+        fenced = self._check(batch)
+        if isinstance(fenced, Ack):
+            return fenced
+        chain = self._chains[batch.engine_id] = _Chain(batch.incarnation, batch.seq - 1)
+        return self._start_append(batch, fenced, chain)
+
+    async def _settled(self, engine_id: str) -> None:
+        """Until none of the engine's batches is pending (the state holds them all)."""
+        chain = self._chains.get(engine_id)
+        if chain is not None:
+            await chain.settled.wait()
+
+    def _check(self, batch: EventBatch) -> Ack | tuple[Event, ...]:
+        """Fence against the state (nothing pending): the ack, or the events to append."""
         if batch.engine_id == DAEMON_SOURCE:
             return Ack(AckStatus.REJECTED, message=f"engine_id {DAEMON_SOURCE!r} is reserved")
         if batch.incarnation == 0:
@@ -155,13 +212,39 @@ class Ingest:
         problem = self._problem(batch)
         if problem:
             return Ack(AckStatus.REJECTED, acked_seq=batch.seq - 1, message=problem)
-        events: tuple[Event, ...] = batch.events
         if new_incarnation and fence is not None and self._has_blocks(batch.engine_id):
-            events = (AllBlocksCleared("GPU"), *events)
-        record = await self._append(batch, events)
-        self.num_applied += 1
-        self.num_events += len(batch.events)
-        return Ack(AckStatus.APPLIED, acked_seq=batch.seq, log_offset=record.offset)
+            return (AllBlocksCleared("GPU"), *batch.events)
+        return batch.events
+
+    def _start_append(self, batch: EventBatch, events: tuple[Event, ...],
+                      chain: _Chain) -> asyncio.Future[Ack]:
+        chain.num_pending += 1
+        chain.last_seq = batch.seq
+        acked: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(self._append(batch, events, chain))
+        task.add_done_callback(lambda t: self._appended(t, acked, batch, chain))
+        return acked
+
+    def _appended(self, task: asyncio.Task[LogRecord], acked: asyncio.Future[Ack],
+                  batch: EventBatch, chain: _Chain) -> None:
+        chain.num_pending -= 1
+        exc = asyncio.CancelledError() if task.cancelled() else task.exception()
+        if exc is not None:
+            chain.is_broken = True
+        else:
+            self.num_applied += 1
+            self.num_events += len(batch.events)
+        if chain.num_pending == 0:
+            chain.settled.set()
+            if self._chains.get(batch.engine_id) is chain:
+                del self._chains[batch.engine_id]
+        if acked.done():
+            return  # the stream that waited for it is gone
+        if exc is not None:
+            acked.set_exception(exc)
+        else:
+            acked.set_result(Ack(AckStatus.APPLIED, acked_seq=batch.seq,
+                                 log_offset=task.result().offset, log_epoch=self.log_epoch))
 
     def _problem(self, batch: EventBatch) -> str:
         if not batch.events:
@@ -170,46 +253,64 @@ class Ingest:
             return f"batch has {len(batch.events)} events, the limit is {self.max_batch_events}"
         for i, event in enumerate(batch.events):
             medium = event.medium
-            if isinstance(event, BlockStored | BlockRemoved) and medium != "GPU":
+            if medium == "GPU":
+                continue
+            if isinstance(event, BlockStored | BlockRemoved):
                 return f"events[{i}]: engines publish GPU-tier events only, got medium {medium!r}"
-            if isinstance(event, AllBlocksCleared) and medium not in (None, "GPU"):
+            if medium is not None:
                 return f"events[{i}]: engines clear their GPU tier only, got medium {medium!r}"
         return ""
 
     def _has_blocks(self, engine_id: str) -> bool:
         return any(s == engine_id for s, _, _ in self.state.counts())
 
-    async def _append(self, batch: EventBatch, events: tuple[Event, ...]) -> LogRecord:
+    async def _append(self, batch: EventBatch, events: tuple[Event, ...], chain: _Chain) -> LogRecord:
         keys = self.metadata.keys
+        engine_id = batch.engine_id
 
         def project(pipe: Pipe) -> None:
-            project_gpu_events(pipe, keys, batch.engine_id, events)
+            if chain.is_broken:  # checked as the write is built: after every earlier batch's
+                raise ChainBroken(f"an earlier batch of {engine_id} was not written")
+            project_gpu_events(pipe, keys, engine_id, events)
 
-        def apply(record: LogRecord) -> None:
-            pass  # the reducer (applied by the metadata store) holds the GPU tiers
+        def revert() -> None:  # not written: neither may any later batch of the chain be
+            chain.is_broken = True
 
         return await self.metadata.append(Append(
-            batch.engine_id, batch.incarnation, batch.seq, events, project, apply, ts=batch.ts,
+            engine_id, batch.incarnation, batch.seq, events, project, _no_apply, revert,
+            ts=batch.ts,
         ))
 
     async def clear_departed(self, engine_id: str) -> LogRecord | None:
         """Log ``AllBlocksCleared(GPU)`` for a departed engine; None (nothing logged) when it
         holds no GPU blocks. Raises RedisUnavailable when it cannot be made durable."""
-        async with self._engine_lock(engine_id):  # fenced one at a time with its batches
-            if not self._has_gpu_blocks(engine_id):
-                return None
-            fence = self.state.fence(engine_id)
-            keys = self.metadata.keys
-            events: tuple[Event, ...] = (AllBlocksCleared("GPU"),)
+        entry = self._hold(engine_id)
+        try:
+            async with entry.lock:  # fenced one at a time with its batches
+                await self._settled(engine_id)
+                return await self._clear_departed(engine_id)
+        finally:
+            self._let_go(engine_id, entry)
 
-            def project(pipe: Pipe) -> None:
-                project_gpu_events(pipe, keys, engine_id, events)
-                if fence is not None:  # the append wrote (0, 0): the fence is unchanged
-                    pipe.hset(keys.sources, engine_id, projection.encode(fence))
+    async def _clear_departed(self, engine_id: str) -> LogRecord | None:
+        if not self._has_gpu_blocks(engine_id):
+            return None
+        fence = self.state.fence(engine_id)
+        keys = self.metadata.keys
+        events: tuple[Event, ...] = (AllBlocksCleared("GPU"),)
 
-            return await self.metadata.append(Append(
-                engine_id, 0, 0, events, project, lambda record: None,
-            ))
+        def project(pipe: Pipe) -> None:
+            project_gpu_events(pipe, keys, engine_id, events)
+            if fence is not None:  # the append wrote (0, 0): the fence is unchanged
+                pipe.hset(keys.sources, engine_id, projection.encode(fence))
+
+        return await self.metadata.append(Append(
+            engine_id, 0, 0, events, project, lambda record: None,
+        ))
 
     def _has_gpu_blocks(self, engine_id: str) -> bool:
         return any(s == engine_id and m == "GPU" for s, m, _ in self.state.counts())
+
+
+def _no_apply(record: LogRecord) -> None:
+    """The reducer (applied by the metadata store) holds the GPU tiers."""

@@ -18,7 +18,14 @@ from events.codec_proto import (
     snapshot_from_proto,
     snapshot_to_proto,
 )
-from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, LogRecord, SchemaError
+from events.schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    LogRecord,
+    SchemaError,
+    validate_event,
+)
 from events.state import CacheState, Snapshot, SourceSnapshot
 from tests.events.event_strategies import block_stored, event_lists, events, log_records, names
 
@@ -133,3 +140,30 @@ def test_values_that_do_not_fit_proto_fields_are_schema_errors() -> None:
         event_to_proto(BlockRemoved((1,), "GPU", -1))
     with pytest.raises(SchemaError, match=r"^BlockStored: Value out of range: 4294967296$"):
         event_to_proto(BlockStored((1,), None, (2**32,), 1, "GPU"))
+
+
+_cbor_keys = st.sampled_from([b"\xf6", b"\x81\x01", b"\xff", b"\xc1\x01", b"\x81\xa0"])
+
+
+@given(
+    st.lists(st.integers(0, 2**64 - 1), max_size=3), st.lists(st.integers(0, 2**32 - 1), max_size=6),
+    st.integers(0, 3), st.integers(0, 3), st.integers(0, 3), st.integers(0, 2**32 - 1),
+    st.none() | st.integers(0, 2**64 - 1), st.none() | st.lists(_cbor_keys, max_size=3),
+)
+def test_decoder_accepts_exactly_what_validate_event_accepts(
+    block_hashes: list[int], token_ids: list[int], block_size: int, medium: int, kind: int,
+    group: int, parent: int | None, extra: list[bytes] | None,
+) -> None:
+    """The decoder skips the checks the proto types make; what it returns still validates, and
+    what it refuses is refused with a SchemaError (never another error)."""
+    msg = events_pb2.BlockStored(block_hashes=block_hashes, token_ids=token_ids,
+                                 block_size=block_size, medium=medium, kv_cache_spec_kind=kind,
+                                 group_idx=group, extra_keys=extra or [])
+    if parent is not None:
+        msg.parent_block_hash = parent
+    try:
+        event = event_from_proto(events_pb2.KvEvent(block_stored=msg))
+    except SchemaError:
+        return
+    validate_event(event)
+    assert event_from_proto(event_to_proto(event)) == event

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+import redis
+import redis.asyncio as aioredis
 from kvcache.v1 import events_pb2, log_pb2, log_pb2_grpc
 
 from events.codec_proto import EventBatch, batch_to_proto
+from events.logkeys import LogKeys
+from events.records import RECORD_FIELD, decode_record
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from events.state import CacheState
 from offloadd.client import GroupQuery, IngestStream, OffloadClient, OffloadUnavailable, RetryPolicy
+from offloadd.log.ingest import Ack, AckStatus, Ingest
+from offloadd.log.metadata import MetadataStore, RecordRefused
+from offloadd.log.projection import project_gpu_events
 from tests.offloadd.conftest import GROUP, chain, digest
 from tests.support.offloadd_proc import DaemonProcess
 from tests.support.redis_proc import RedisProcess
@@ -213,3 +222,83 @@ def test_reused_incarnation_is_detected(daemon: DaemonProcess, client: OffloadCl
         assert state.view() == {("eng", "GPU", 0): frozenset({101})}
     finally:
         again.close()
+
+
+def test_a_pipelined_stream_is_acked_as_if_one_at_a_time(
+    daemon: DaemonProcess, client: OffloadClient,
+) -> None:
+    """300 batches sent without waiting for acks, then a duplicate, a gap and a rejected batch:
+    the acks are those of handling them one at a time, and the log holds the 300 in order."""
+    batches = [batch("e", 1, seq, stored(seq)) for seq in range(1, 301)]
+    acks = publish(daemon.target, [
+        *batches, batch("e", 1, 150, stored(150)), batch("e", 1, 303, stored(303)),
+        batch("e", 1, 301, BlockStored((1,), None, (1,), 1, "CPU")), batch("e", 1, 301, stored(301)),
+    ])
+    assert [(a.status, a.acked_seq, a.log_offset) for a in acks[:300]] == [
+        (ACK.STATUS_APPLIED, seq, seq) for seq in range(1, 301)
+    ]
+    assert [(a.status, a.acked_seq, a.resend_from) for a in acks[300:]] == [
+        (ACK.STATUS_DUPLICATE, 300, 0), (ACK.STATUS_RESEND, 300, 301),
+        (ACK.STATUS_REJECTED, 300, 0), (ACK.STATUS_APPLIED, 301, 0),
+    ]
+    assert replay(client).view() == {("e", "GPU", 0): frozenset(range(1, 302))}
+
+
+def test_a_batch_after_one_that_failed_is_not_written(redis_url: str) -> None:
+    """Batch 2's write fails while batch 3, fenced against it, waits in the next write: 3 must
+    not be written (the log would skip seq 2); the engine's next batch 2 is fenced against the
+    log again."""
+    keys = LogKeys("chain")
+
+    async def scenario() -> tuple[list[object], Ack, CacheState]:
+        client = aioredis.Redis.from_url(redis_url)
+        md = MetadataStore(client, keys, CacheState())
+        ingest = Ingest(md, md.state, max_batch_events=16)
+        await ingest.publish(EventBatch("e", 1, 1, 0.0, (stored(1),)))
+        release = asyncio.Event()
+        write = md._write
+
+        async def broken(batch: object) -> None:
+            md._write = write  # type: ignore[method-assign]  # only this write fails
+            await release.wait()
+            raise RuntimeError("writer bug")
+
+        md._write = broken  # type: ignore[method-assign]
+        second = await ingest.submit(EventBatch("e", 1, 2, 0.0, (stored(2),)))
+        await asyncio.sleep(0.05)  # batch 2's write is in flight: batch 3 goes in the next one
+        third = await ingest.submit(EventBatch("e", 1, 3, 0.0, (stored(3),)))
+        release.set()
+        outcomes = await asyncio.gather(second, third, return_exceptions=True)
+        again = await ingest.publish(EventBatch("e", 1, 2, 0.0, (stored(2),)))
+        await client.aclose()
+        return list(outcomes), again, md.state
+
+    outcomes, again, state = asyncio.run(scenario())
+    assert isinstance(outcomes[0], RuntimeError)
+    assert isinstance(outcomes[1], RecordRefused)
+    assert (again.status, again.acked_seq, again.log_offset) == (AckStatus.APPLIED, 2, 2)
+    assert state.fence("e") == (1, 2) and state.violations == []
+    admin = redis.Redis.from_url(redis_url)
+    stored_seqs = [decode_record(f[RECORD_FIELD]).source_seq for _, f in admin.xrange(keys.log)]
+    members = admin.smembers(keys.engine_blocks("e"))
+    admin.close()
+    assert stored_seqs == [1, 2]
+    assert members == {b"0:1", b"0:2"}
+
+
+def test_gpu_projection_is_one_command_per_run_in_order() -> None:
+    calls: list[tuple[str, tuple[object, ...]]] = []
+
+    class Recorder:
+        def __getattr__(self, name: str) -> Any:
+            return lambda *args: calls.append((name, args))
+
+    key = LogKeys("p").engine_blocks("e")
+    project_gpu_events(Recorder(), LogKeys("p"), "e", (  # type: ignore[arg-type]
+        stored(1), stored(2), BlockRemoved((1,), "GPU"), BlockRemoved((), "GPU"),
+        BlockStored((1, 5), None, (0,) * 8, 4, "GPU", 1), AllBlocksCleared("GPU"), stored(3),
+    ))
+    assert calls == [
+        ("sadd", (key, "0:1", "0:2")), ("srem", (key, "0:1")), ("sadd", (key, "1:1", "1:5")),
+        ("delete", (key,)), ("sadd", (key, "0:3")),
+    ]
