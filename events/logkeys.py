@@ -57,7 +57,8 @@ class LogKeys:
         return f"{self.prefix}blocks:{layout_id}"
 
     def engine_blocks(self, engine_id: str) -> str:
-        """Set of GPU-tier wire hashes (group-qualified) an engine holds."""
+        """Set of an engine's GPU-tier hashes that daemons before DECISIONS 33 kept; no longer
+        written (the log, checkpoints and Snapshot hold it), deleted at start."""
         return f"{self.prefix}engine:{engine_id}:gpu"
 
     @property

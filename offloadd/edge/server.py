@@ -32,7 +32,7 @@ from offloadd.log.ingest import Ingest
 from offloadd.log.liveness import Liveness
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
 from offloadd.log.owner import OwnerLease
-from offloadd.log.recovery import RecoveryReport, audit_gpu_projection, recover
+from offloadd.log.recovery import RecoveryReport, recover
 from offloadd.metrics import DaemonMetrics
 from offloadd.tier.source import DAEMON_SOURCE
 from offloadd.tier.store import HostStore
@@ -172,7 +172,7 @@ class Daemon:
                         cfg.grpc_host, cfg.grpc_port)
 
     async def _audit_projection(self) -> None:
-        """After start: verify restored blocks' bytes, then the GPU-tier projection."""
+        """After start: verify restored blocks' bytes; drop what older daemons left in Redis."""
         t0 = time.perf_counter()
         ok, failed = await self.store.integrity.verify_restored()
         if ok or failed:
@@ -180,11 +180,10 @@ class Daemon:
                 "num_verified": ok, "num_failed": failed, "seconds": time.perf_counter() - t0,
             })
         try:
-            await audit_gpu_projection(self.store)
+            if dropped := await self.metadata.drop_legacy_gpu_sets():
+                log.info("deleted %d per-engine GPU sets of an older daemon", dropped)
         except RedisUnavailable as exc:
-            log.warning("GPU projection audit skipped: %s", exc)
-        except Exception:
-            log.exception("GPU projection audit failed")
+            log.warning("older daemons' GPU sets not deleted: %s", exc)
 
     async def _sweep_forever(self) -> None:
         interval = self.config.sweep_interval_ms / 1000

@@ -39,7 +39,7 @@ from events.state import CacheState
 from offloadd.config import DEFAULT_MAX_ID_BYTES
 from offloadd.log import projection
 from offloadd.log.metadata import Append, MetadataStore, RedisUnavailable
-from offloadd.log.projection import Pipe, project_gpu_events
+from offloadd.log.projection import Pipe
 from offloadd.tier.source import DAEMON_SOURCE
 
 
@@ -265,13 +265,11 @@ class Ingest:
         return any(s == engine_id for s, _, _ in self.state.counts())
 
     async def _append(self, batch: EventBatch, events: tuple[Event, ...], chain: _Chain) -> LogRecord:
-        keys = self.metadata.keys
         engine_id = batch.engine_id
 
-        def project(pipe: Pipe) -> None:
+        def project(pipe: Pipe) -> None:  # the record is all: no per-block projection (DECISIONS 33)
             if chain.is_broken:  # checked as the write is built: after every earlier batch's
                 raise ChainBroken(f"an earlier batch of {engine_id} was not written")
-            project_gpu_events(pipe, keys, engine_id, events)
 
         def revert() -> None:  # not written: neither may any later batch of the chain be
             chain.is_broken = True
@@ -300,7 +298,6 @@ class Ingest:
         events: tuple[Event, ...] = (AllBlocksCleared("GPU"),)
 
         def project(pipe: Pipe) -> None:
-            project_gpu_events(pipe, keys, engine_id, events)
             if fence is not None:  # the append wrote (0, 0): the fence is unchanged
                 pipe.hset(keys.sources, engine_id, projection.encode(fence))
 

@@ -397,6 +397,17 @@ class MetadataStore:
                                f"{detail[2]}; {self.repair_hint()}")
         raise LogConflict(f"write refused: {code} {detail}")
 
+    async def drop_legacy_gpu_sets(self) -> int:
+        """Delete the per-engine GPU-tier sets older daemons wrote (DECISIONS 33): nothing reads
+        them any more. Returns how many were deleted."""
+        deleted = 0
+        try:
+            async for key in self.client.scan_iter(match=self.keys.engine_blocks("*"), count=1000):
+                deleted += await self.client.delete(key)
+        except (RedisError, OSError) as exc:
+            raise RedisUnavailable(f"Redis unreachable: {exc}") from exc
+        return deleted
+
     def repair_hint(self) -> str:
         """The kvctl commands that inspect and repair this namespace's keys."""
         kw = self.client.connection_pool.connection_kwargs
@@ -551,13 +562,6 @@ class MetadataStore:
             raise OwnershipLost(f"namespace {self.keys.namespace!r} is no longer owned by this "
                                 f"daemon; log trim refused")
         return int(reply[1]) if code == "ok" else 0
-
-    async def engine_gpu_set(self, engine_id: str) -> set[str]:
-        try:
-            members = await self.client.smembers(self.keys.engine_blocks(engine_id))
-        except (RedisError, OSError) as exc:
-            raise RedisUnavailable(f"Redis unreachable: {exc}") from exc
-        return {m.decode() for m in members}
 
     async def load(self) -> Persisted:
         k = self.keys

@@ -7,13 +7,9 @@ daemon checks one against the other on start (offloadd.log.recovery).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, Protocol
 
 import msgspec
-
-from events.logkeys import LogKeys
-from events.schema import AllBlocksCleared, BlockStored, Event
 
 
 class ProjectedBlock(msgspec.Struct, array_like=True, frozen=True):
@@ -106,37 +102,3 @@ def decode_engine(data: bytes) -> EngineRecord:
 
 def decode_position(data: bytes) -> tuple[int, int]:
     return _pos_dec.decode(data)
-
-
-def gpu_member(group_idx: int, block_hash: int) -> str:
-    return f"{group_idx}:{block_hash}"
-
-
-def gpu_members(group_idx: int, block_hashes: Iterable[int]) -> list[str]:
-    """``gpu_member`` of each hash, in bulk."""
-    return list(map(f"{group_idx}:".__add__, map(str, block_hashes)))
-
-
-def project_gpu_events(pipe: Pipe, keys: LogKeys, engine_id: str, events: Iterable[Event]) -> None:
-    """Queue the engine GPU-tier set updates for ``events`` (already validated, GPU only): one
-    SADD or SREM per run of stored or removed events, in order, not one command per event."""
-    key = keys.engine_blocks(engine_id)
-    adding = True
-    members: list[str] = []
-    for event in events:
-        if isinstance(event, AllBlocksCleared):
-            _queue_members(pipe, key, adding, members)
-            pipe.delete(key)
-            members = []
-            continue
-        is_stored = isinstance(event, BlockStored)
-        if is_stored != adding:
-            _queue_members(pipe, key, adding, members)
-            adding, members = is_stored, []
-        members += gpu_members(event.group_idx, event.block_hashes)
-    _queue_members(pipe, key, adding, members)
-
-
-def _queue_members(pipe: Pipe, key: str, adding: bool, members: list[str]) -> None:
-    if members:
-        (pipe.sadd if adding else pipe.srem)(key, *members)

@@ -30,12 +30,12 @@ import uuid
 from dataclasses import dataclass
 
 import msgspec
-from redis.exceptions import RedisError, WatchError
+from redis.exceptions import RedisError
 
 from events.schema import AllBlocksCleared, BlockRemoved, Event
 from offloadd.log.checkpoint import restore
 from offloadd.log.metadata import Append, Persisted, RedisUnavailable
-from offloadd.log.projection import Pipe, gpu_member
+from offloadd.log.projection import Pipe
 from offloadd.tier.index import BlockState, SlotEntry
 from offloadd.tier.source import DAEMON_SOURCE
 from offloadd.tier.store import HostStore
@@ -257,41 +257,3 @@ async def _log_drops(store: HostStore, events: list[Event], bad: dict[int, list[
         DAEMON_SOURCE, store.source.incarnation, store.source.next_seq(), tuple(events), project,
         store.source.logged,
     ))
-
-
-async def audit_gpu_projection(store: HostStore) -> int:
-    """The engines' GPU-tier sets in the projection must equal the reducer's; repair if not.
-
-    Run in the background after serving starts: the daemon never reads these sets itself, they
-    are for operators and tools. Returns how many sets were rewritten.
-    """
-    md = store.metadata
-    state = md.state
-    repaired = 0
-    for source in state.sources():
-        if source == DAEMON_SOURCE:
-            continue
-        offset = md.head
-        want = {
-            gpu_member(g, h)
-            for s, m, g in state.counts() if s == source and m == "GPU"
-            for h in state.blocks(source, "GPU", g)
-        }
-        if await md.engine_gpu_set(source) == want:
-            continue
-        log.error("GPU projection of %s disagrees with the log; rewriting it", source)
-        key = md.keys.engine_blocks(source)
-        try:
-            async with md.client.pipeline(transaction=True) as pipe:
-                await pipe.watch(md.keys.head)  # only if no record was appended meanwhile
-                if int(await pipe.get(md.keys.head) or 0) != offset:
-                    continue
-                pipe.multi()
-                pipe.delete(key)
-                if want:
-                    pipe.sadd(key, *want)
-                await pipe.execute()
-        except WatchError:
-            continue
-        repaired += 1
-    return repaired

@@ -6,7 +6,6 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -22,7 +21,6 @@ from events.state import CacheState
 from offloadd.client import GroupQuery, IngestStream, OffloadClient, OffloadUnavailable, RetryPolicy
 from offloadd.log.ingest import Ack, AckStatus, Ingest
 from offloadd.log.metadata import MetadataStore, RecordRefused
-from offloadd.log.projection import project_gpu_events
 from tests.offloadd.conftest import GROUP, chain, digest
 from tests.support.offloadd_proc import DaemonProcess
 from tests.support.redis_proc import RedisProcess
@@ -280,25 +278,5 @@ def test_a_batch_after_one_that_failed_is_not_written(redis_url: str) -> None:
     assert state.fence("e") == (1, 2) and state.violations == []
     admin = redis.Redis.from_url(redis_url)
     stored_seqs = [decode_record(f[RECORD_FIELD]).source_seq for _, f in admin.xrange(keys.log)]
-    members = admin.smembers(keys.engine_blocks("e"))
     admin.close()
     assert stored_seqs == [1, 2]
-    assert members == {b"0:1", b"0:2"}
-
-
-def test_gpu_projection_is_one_command_per_run_in_order() -> None:
-    calls: list[tuple[str, tuple[object, ...]]] = []
-
-    class Recorder:
-        def __getattr__(self, name: str) -> Any:
-            return lambda *args: calls.append((name, args))
-
-    key = LogKeys("p").engine_blocks("e")
-    project_gpu_events(Recorder(), LogKeys("p"), "e", (  # type: ignore[arg-type]
-        stored(1), stored(2), BlockRemoved((1,), "GPU"), BlockRemoved((), "GPU"),
-        BlockStored((1, 5), None, (0,) * 8, 4, "GPU", 1), AllBlocksCleared("GPU"), stored(3),
-    ))
-    assert calls == [
-        ("sadd", (key, "0:1", "0:2")), ("srem", (key, "0:1")), ("sadd", (key, "1:1", "1:5")),
-        ("delete", (key,)), ("sadd", (key, "0:3")),
-    ]
