@@ -114,6 +114,11 @@ class Daemon:
         self.liveness.lease_all(
             {s for s, m, _ in self.state.counts() if m == "GPU" and s != DAEMON_SOURCE}
         )
+        # An engine the log shows with no GPU blocks may have been cleared by the daemon before
+        # this restart: its next batch of the same incarnation makes it re-announce (harmless if
+        # it really holds nothing: one new incarnation).
+        self.ingest.expect_resync(set(self.state.sources()) - {DAEMON_SOURCE} - {
+            s for s, m, _ in self.state.counts() if m == "GPU"})
         servicers = self.servicers = Servicers(
             self.store, self.writer, self.ingest, self.metadata, self.metrics, self.on_fatal,
             self.liveness,

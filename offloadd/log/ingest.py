@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
@@ -41,6 +42,8 @@ from offloadd.log import projection
 from offloadd.log.metadata import Append, MetadataStore, RedisUnavailable
 from offloadd.log.projection import Pipe
 from offloadd.tier.source import DAEMON_SOURCE
+
+_MAX_DEPARTED = 65536  # engines remembered as cleared by the daemon
 
 
 class AckStatus(enum.IntEnum):
@@ -96,6 +99,10 @@ class Ingest:
         self.max_id_bytes = max_id_bytes
         self._locks: dict[str, _EngineLock] = {}  # per engine, only while someone uses it
         self._chains: dict[str, _Chain] = {}  # per engine, only while it has batches pending
+        # Engines whose GPU tier the daemon cleared (departed, or unknown after a restart): their
+        # next batch of the same incarnation gets RESEND from 1, so the engine starts a new one
+        # and re-announces what it holds instead of adding to a tier the log says is empty.
+        self._departed: dict[str, None] = {}
         self.num_applied = 0
         self.num_events = 0
         self.num_duplicate = 0
@@ -199,6 +206,12 @@ class Ingest:
                 AckStatus.REJECTED, message=f"incarnation {batch.incarnation} is fenced out "
                 f"(current incarnation is {fence[0]})",
             )
+        if batch.engine_id in self._departed:
+            if not new_incarnation:
+                return Ack(AckStatus.RESEND, acked_seq=0, resend_from=1, message=(
+                    "this engine's GPU tier was cleared when it was taken for departed: start a "
+                    "new incarnation and re-announce what it holds"))
+            del self._departed[batch.engine_id]
         if fence is not None and not new_incarnation:
             last = fence[1]
             if batch.seq <= last:
@@ -301,9 +314,19 @@ class Ingest:
             if fence is not None:  # the append wrote (0, 0): the fence is unchanged
                 pipe.hset(keys.sources, engine_id, projection.encode(fence))
 
-        return await self.metadata.append(Append(
+        record = await self.metadata.append(Append(
             engine_id, 0, 0, events, project, lambda record: None,
         ))
+        self.expect_resync((engine_id,))
+        return record
+
+    def expect_resync(self, engine_ids: Iterable[str]) -> None:
+        """Engines whose next batch of their current incarnation must restart them (above);
+        bounded: the oldest marks go first (their engine then merely adds to a cleared tier)."""
+        for engine_id in engine_ids:
+            self._departed[engine_id] = None
+        while len(self._departed) > _MAX_DEPARTED:
+            del self._departed[next(iter(self._departed))]
 
     def _has_gpu_blocks(self, engine_id: str) -> bool:
         return any(s == engine_id and m == "GPU" for s, m, _ in self.state.counts())

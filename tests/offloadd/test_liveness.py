@@ -99,21 +99,26 @@ def test_half_close_without_goodbye_is_a_broken_stream(
     wait_until_cleared(client, "quiet", LEASE_S * 2)
 
 
-def test_clean_stream_end_clears_at_once_and_keeps_the_fence(
+def test_clean_stream_end_clears_at_once_and_asks_for_a_resync(
     daemon: DaemonProcess, client: OffloadClient,
 ) -> None:
     acks = publish_and_close(daemon, batch("eng", 1, 11, 12), batch("eng", 2, 13))
     assert [a.status for a in acks] == [ACK.STATUS_APPLIED, ACK.STATUS_APPLIED], acks
     assert wait_until_cleared(client, "eng", LEASE_S / 2) < LEASE_S / 2  # not a lease
     assert len(clears(client, "eng")) == 1
-    # The fence is kept: the next seq of the same incarnation applies, a duplicate does not.
+    # Its tier is empty in the log now: more batches of the same incarnation would add to it
+    # what the engine holds without saying so, so they get RESEND from 1 (IngestStream starts a
+    # new incarnation and re-announces); a new incarnation applies.
     acks = publish_and_close(daemon, batch("eng", 2, 99), batch("eng", 3, 14))
-    assert [a.status for a in acks] == [ACK.STATUS_DUPLICATE, ACK.STATUS_APPLIED]
+    assert [(a.status, a.resend_from) for a in acks] == [(ACK.STATUS_RESEND, 1)] * 2
+    acks = publish_and_close(daemon, batch("eng", 1, 14, incarnation=2))
+    assert [a.status for a in acks] == [ACK.STATUS_APPLIED]
     wait_until_cleared(client, "eng", LEASE_S / 2)
     assert len(clears(client, "eng")) == 2
     # An engine without GPU blocks departs without an empty clear.
-    publish_and_close(daemon, batch("eng", 4, 15), batch_to_proto(EventBatch(
-        "eng", 1, 5, time.time(), (AllBlocksCleared("GPU"),))))
+    acks = publish_and_close(daemon, batch("eng", 1, 15, incarnation=3), batch_to_proto(EventBatch(
+        "eng", 3, 2, time.time(), (AllBlocksCleared("GPU"),))))
+    assert [a.status for a in acks] == [ACK.STATUS_APPLIED] * 2
     time.sleep(0.5)
     assert len(clears(client, "eng")) == 2
 
@@ -181,5 +186,42 @@ def test_stop_is_quick_with_streams_open_and_clears_nobody(
             assert clears(fresh, "stay") == []
             stream.close()  # it departs: it says goodbye, cleared at once
             assert wait_until_cleared(fresh, "stay", LEASE_S * 3) < LEASE_S / 2
+    finally:
+        stream.close()
+
+
+def test_an_engine_back_after_its_lease_re_announces(
+    daemon: DaemonProcess, client: OffloadClient,
+) -> None:
+    """The attack run's finding: a daemon restarted under a live engine leased it, the engine
+    came back after the lease (its reconnect backoff was longer), was cleared, and went on
+    publishing on top of a tier the log said was empty. Now its next batch gets RESEND from 1:
+    it starts a new incarnation and re-announces, and the log holds what it holds."""
+    held: set[int] = set()
+    resets: list[int] = []
+    stream = IngestStream(daemon.target, "late", backoff_s=(LEASE_S * 2, LEASE_S * 2),
+                          on_reset=resets.append)
+    try:
+        def store(h: int) -> None:
+            held.add(h)
+            stream.submit((BlockStored((h,), None, (1, 2, 3, 4), 4, "GPU"),))
+
+        store(51)
+        store(52)
+        assert stream.flush(10)
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(timeout=15) == 0
+        daemon.proc = None
+        daemon.restart()  # every engine with GPU blocks is on a lease now; "late" is slow
+        wait_until_cleared(client, "late", LEASE_S * 4)
+        deadline = time.monotonic() + 10
+        store(53)
+        while not resets and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert resets, "the engine was never asked to re-announce"
+        stream.resync([BlockStored((h,), None, (1, 2, 3, 4), 4, "GPU") for h in sorted(held)])
+        assert stream.flush(10)
+        assert gpu_blocks(client, "late") == held
     finally:
         stream.close()
