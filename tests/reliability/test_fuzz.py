@@ -11,6 +11,7 @@ the same greedy tokens).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -110,14 +111,33 @@ OFFLOAD_RPCS: list[tuple[str, Callable[[list[str], list[str]], st.SearchStrategy
 ]
 
 
+def _register_fresh(stub: offload_pb2_grpc.OffloadStoreStub, engine: str) -> None:
+    """Register ``engine`` with the test layout under an incarnation newer than any the fuzzer
+    registered it with (a live registration is immutable: the same incarnation with another
+    layout, or an older one, is refused)."""
+    incarnation = 1
+    for _ in range(3):
+        try:
+            stub.RegisterEngine(offload_pb2.RegisterEngineRequest(
+                engine_id=engine, incarnation=incarnation, model_namespace="synthetic",
+                groups=[offload_pb2.GroupLayout(group_idx=0, kind=1, block_size=4,
+                                                block_bytes=GROUP.block_bytes, dtype="uint8",
+                                                layout="synthetic-layout")]), timeout=5)
+            return
+        except grpc.RpcError as exc:
+            found = re.search(r"incarnation (\d+) is registered|registered incarnation (\d+)",
+                              exc.details() or "")
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or found is None:
+                raise
+            incarnation = int(found.group(1) or found.group(2)) + 1
+    raise AssertionError(f"could not register {engine}")
+
+
 def _live_ids(stub: offload_pb2_grpc.OffloadStoreStub, tag: str) -> tuple[list[str], list[str]]:
     """Register the engines the fuzzer names, store the KNOWN digests, and open reservations and
     pinned leases for it to commit, abort and release (so requests get past the first checks)."""
     for engine in ("fz-a", "fz-b"):
-        stub.RegisterEngine(offload_pb2.RegisterEngineRequest(
-            engine_id=engine, incarnation=1, model_namespace="synthetic",
-            groups=[offload_pb2.GroupLayout(group_idx=0, kind=1, block_size=4, block_bytes=GROUP.block_bytes,
-                                            dtype="uint8", layout="synthetic-layout")]), timeout=5)
+        _register_fresh(stub, engine)
     known = [offload_pb2.BlockToStore(block_hash=h, token_ids=[1, 2, 3, 4]) for h in fs.KNOWN]
     res = stub.Reserve(offload_pb2.ReserveRequest(engine_id="fz-a", group_idx=0, blocks=known), timeout=5)
     if res.reservation_id:
