@@ -67,7 +67,6 @@ from tests.support.offloadd_proc import DaemonProcess  # noqa: E402
 from tests.support.redis_proc import RedisProcess  # noqa: E402
 from tests.support.synthetic_engine import (  # noqa: E402
     GROUP,
-    NO_RETRY,
     SLOT,
     SyntheticPublisher,
     SyntheticStorer,
@@ -122,36 +121,20 @@ class GoodStorer(SyntheticStorer):
         self.failures: list[tuple[float, str]] = []
         self.commit_time: dict[bytes, float] = {}
 
-    def _run(self) -> None:
-        client = OffloadClient(self.target, timeout_s=2.0, retry=NO_RETRY)
-        arena = None
-        try:
-            while not self._stop.is_set():
-                if self.paused.is_set():
-                    if arena is not None and self.unmap:
-                        arena.close()
-                        arena = None
-                    self.idle.set()
-                    self._stop.wait(0.02)
-                    continue
-                self.idle.clear()
-                try:
-                    if arena is None:
-                        arena = client.register_engine(self.engine_id, 1, "synthetic", [GROUP]).map_arena(0)
-                    self._store_one(client, arena)
-                except (OffloadClientError, OSError, ValueError) as exc:
-                    self.stats.errors += 1
-                    self.failures.append((time.monotonic(), f"{type(exc).__name__}: {exc}"[:240]))
-                    if arena is not None:
-                        arena.close()
-                    arena = None
-                    self._stop.wait(0.05)
-                if self.pause_s:
-                    self._stop.wait(self.pause_s)
-        finally:
-            if arena is not None:
-                arena.close()
-            client.close()
+    def _hold(self, arena: Any) -> tuple[Any, bool]:
+        if not self.paused.is_set():
+            self.idle.clear()
+            return arena, False
+        if arena is not None and self.unmap:
+            arena.close()
+            arena = None
+        self.idle.set()
+        self._stop.wait(0.02)
+        return arena, True
+
+    def _failed(self, exc: Exception) -> None:
+        super()._failed(exc)
+        self.failures.append((time.monotonic(), f"{type(exc).__name__}: {exc}"[:240]))
 
     def _store_one(self, client: OffloadClient, arena: Any) -> None:
         before = len(self.stats.committed)

@@ -104,14 +104,17 @@ class SyntheticStorer:
         chains = 0
         try:
             while not self._stop.is_set() and (self.max_chains is None or chains < self.max_chains):
+                arena, held = self._hold(arena)
+                if held:
+                    continue
                 try:
                     if arena is None:
                         arena = client.register_engine(self.engine_id, 1, "synthetic", [GROUP]).map_arena(0)
                     self._store_one(client, arena)
                     chains += 1
-                except (OffloadClientError, OSError, ValueError):
+                except (OffloadClientError, OSError, ValueError) as exc:
                     # Daemon gone or restarted: map the arena again once it is back.
-                    self.stats.errors += 1
+                    self._failed(exc)
                     if arena is not None:
                         arena.close()
                     arena = None
@@ -122,6 +125,15 @@ class SyntheticStorer:
             if arena is not None:
                 arena.close()
             client.close()
+
+    def _hold(self, arena: ArenaMapping | None) -> tuple[ArenaMapping | None, bool]:
+        """Before each chain: the arena to go on with, and whether to skip storing this round
+        (a subclass pauses here; this one never does)."""
+        return arena, False
+
+    def _failed(self, exc: Exception) -> None:
+        """A store that raised (the daemon gone, restarted or refusing): counted."""
+        self.stats.errors += 1
 
     def _store_one(self, client: OffloadClient, arena: ArenaMapping) -> None:
         blocks = self._chain()
