@@ -7,6 +7,9 @@ from __future__ import annotations
 import re
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +75,29 @@ def recovery_counts(proc: DaemonProcess) -> tuple[int, int]:
     return int(reports[-1][0]), int(reports[-1][1])
 
 
+@dataclass
+class CkptStack:
+    """A daemon that checkpoints often, an engine stream into it, and a Redis client."""
+
+    proc: DaemonProcess
+    keys: LogKeys
+    admin: Any
+    stream: IngestStream
+
+
+@contextmanager
+def ckpt_stack(tmp_path: Path, redis_url: str, namespace: str) -> Iterator[CkptStack]:
+    proc = DaemonProcess(tmp_path / "d", redis_url, namespace, extra_args=CKPT_ARGS)
+    keys, admin = LogKeys(namespace), redis.Redis.from_url(redis_url)
+    proc.start()
+    stream = IngestStream(proc.target, "gpu-engine", 3)
+    try:
+        yield CkptStack(proc, keys, admin, stream)
+    finally:
+        stream.close()
+        proc.kill()
+
+
 def test_checkpoint_is_pointed_to_and_log_is_trimmed_behind_it(
     tmp_path: Path, redis_url: str, namespace: str,
 ) -> None:
@@ -109,12 +135,9 @@ def test_checkpoint_is_pointed_to_and_log_is_trimmed_behind_it(
 def test_kill9_recovers_from_checkpoint_plus_tail_whatever_the_history(
     tmp_path: Path, redis_url: str, namespace: str,
 ) -> None:
-    proc = DaemonProcess(tmp_path / "d", redis_url, namespace, extra_args=CKPT_ARGS)
-    keys, admin = LogKeys(namespace), redis.Redis.from_url(redis_url)
-    proc.start()
-    stream = IngestStream(proc.target, "gpu-engine", 3)
-    replayed = []
-    try:
+    with ckpt_stack(tmp_path, redis_url, namespace) as st:
+        proc, keys, admin, stream = st.proc, st.keys, st.admin, st.stream
+        replayed = []
         done = 0
         for history in (1000, 9000):  # 1k records of history, then 10k
             publish(stream, done, history)
@@ -134,19 +157,13 @@ def test_kill9_recovers_from_checkpoint_plus_tail_whatever_the_history(
                 assert c.stats() == stats
         assert first_offset(admin, keys) > 1000  # the history is gone from the log
         assert all(n <= 60 for n in replayed), replayed  # the tail, not the history
-    finally:
-        stream.close()
-        proc.kill()
 
 
 def test_torn_checkpoint_falls_back_to_the_previous_one(
     tmp_path: Path, redis_url: str, namespace: str,
 ) -> None:
-    proc = DaemonProcess(tmp_path / "d", redis_url, namespace, extra_args=CKPT_ARGS)
-    keys, admin = LogKeys(namespace), redis.Redis.from_url(redis_url)
-    proc.start()
-    stream = IngestStream(proc.target, "gpu-engine", 3)
-    try:
+    with ckpt_stack(tmp_path, redis_url, namespace) as st:
+        proc, keys, admin, stream = st.proc, st.keys, st.admin, st.stream
         publish(stream, 0, 300)
         wait_checkpoint(admin, keys, head(admin, keys))
         publish(stream, 300, 300)
@@ -166,9 +183,6 @@ def test_torn_checkpoint_falls_back_to_the_previous_one(
         assert "unusable (chunk 0 missing)" in proc.log_path.read_text()
         with OffloadClient(proc.target) as c:
             assert c.snapshot() == before
-    finally:
-        stream.close()
-        proc.kill()
 
 
 def test_split_then_join_is_the_snapshot() -> None:

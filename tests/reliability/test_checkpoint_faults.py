@@ -17,12 +17,12 @@ from events.logkeys import LogKeys
 from events.schema import BlockStored
 from events.state import CacheState
 from events.subscriber import KvEventSubscriber
-from offloadd.client import IngestStream, OffloadClient
+from offloadd.client import OffloadClient
 from offloadd.config import OffloaddConfig
 from offloadd.log.checkpoint import Checkpointer, CheckpointFailed, checkpoint_id, restore
 from offloadd.log.metadata import Append, MetadataStore
 from tests.offloadd.test_checkpoint import (
-    CKPT_ARGS,
+    ckpt_stack,
     first_offset,
     head,
     log_epoch,
@@ -33,17 +33,13 @@ from tests.offloadd.test_checkpoint import (
     wait_checkpoint,
 )
 from tests.support.bridge_proc import BridgeProcess, FleetSimulator, LogWriter
-from tests.support.offloadd_proc import DaemonProcess
 
 
 def test_checkpoint_write_failing_midway_keeps_the_previous_one(
     tmp_path: Path, redis_url: str, namespace: str,
 ) -> None:
-    proc = DaemonProcess(tmp_path / "d", redis_url, namespace, extra_args=CKPT_ARGS)
-    keys, admin = LogKeys(namespace), redis.Redis.from_url(redis_url)
-    proc.start()
-    stream = IngestStream(proc.target, "gpu-engine", 3)
-    try:
+    with ckpt_stack(tmp_path, redis_url, namespace) as st:
+        proc, keys, admin, stream = st.proc, st.keys, st.admin, st.stream
         publish(stream, 0, 200)
         wait_checkpoint(admin, keys, head(admin, keys))
         # The next checkpoint's chunks get written, then its manifest key is of the wrong type:
@@ -70,19 +66,13 @@ def test_checkpoint_write_failing_midway_keeps_the_previous_one(
         # Once the key is gone, the next attempt succeeds.
         admin.delete(keys.checkpoint_manifest(doomed))
         assert wait_checkpoint(admin, keys, before.offset).ckpt_id == doomed
-    finally:
-        stream.close()
-        proc.kill()
 
 
 def test_trimmed_log_without_a_usable_checkpoint_stops_startup(
     tmp_path: Path, redis_url: str, namespace: str,
 ) -> None:
-    proc = DaemonProcess(tmp_path / "d", redis_url, namespace, extra_args=CKPT_ARGS)
-    keys, admin = LogKeys(namespace), redis.Redis.from_url(redis_url)
-    proc.start()
-    stream = IngestStream(proc.target, "gpu-engine", 3)
-    try:
+    with ckpt_stack(tmp_path, redis_url, namespace) as st:
+        proc, keys, admin, stream = st.proc, st.keys, st.admin, st.stream
         publish(stream, 0, 300)
         wait_checkpoint(admin, keys, head(admin, keys))
         publish(stream, 300, 300)
@@ -98,9 +88,6 @@ def test_trimmed_log_without_a_usable_checkpoint_stops_startup(
             proc.restart()
         lines = [ln for ln in proc.log_tail(5).splitlines() if "refusing to start" in ln]
         assert len(lines) == 1 and lines[0].startswith("offloadd: the log"), proc.log_tail()
-    finally:
-        stream.close()
-        proc.kill()
 
 
 def test_bridge_replays_a_trimmed_seq_from_the_oldest_retained_record(
