@@ -1,4 +1,5 @@
-"""``kv-engine``: serve (gRPC Generate), generate (one-off), make-tiny-model (random checkpoint)."""
+"""``kv-engine``: serve (gRPC Generate, and OpenAI HTTP with --http-port), generate (one-off),
+make-tiny-model (random checkpoint)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's max_position_embeddings)")
-    p.add_argument("--hash-seed", default="0",
-                   help="block-hash seed (vLLM's PYTHONHASHSEED); engines sharing blocks need the same")
+    p.add_argument("--hash-seed", default=env_hash_seed(os.environ),
+                   help="block-hash seed, as vLLM's PYTHONHASHSEED; engines sharing blocks need the same "
+                        f"(default: $PYTHONHASHSEED, else {DEFAULT_SEED!r}, as vLLM)")
     p.add_argument("--hash-algo", default="sha256_cbor", choices=["sha256_cbor", "xxh3_128_cbor"],
                    help="block-hash function (sha256_cbor is vLLM's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached blocks")
@@ -95,6 +97,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-unacked-batches", type=int, default=1024,
                        help="event batches kept for resending while offloadd is away")
     serve.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (-1: off, 0: any)")
+    serve.add_argument("--http-port", type=int, default=-1,
+                       help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                            "/v1/models, /health) on this port (-1: off, 0: any)")
+    serve.add_argument("--http-host", default=None, help="interface of the HTTP API (default: --host)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name the HTTP API answers to (default: the model directory's name)")
     serve.add_argument("--offload", action="store_true",
                        help="use offloadd's host tier (store full blocks, load CPU-tier prefixes); needs --offloadd")
     serve.add_argument("--model-namespace", default=None,
@@ -198,6 +206,17 @@ def _serve(a: argparse.Namespace) -> int:
     server.start()
     log.info("serving Generate on port %d (model %s, device %s, engine_id %s)", port, cfg.model_dir, cfg.device, cfg.engine_id)
     print(f"kv-engine: serving on port {port}", flush=True)
+    http = None
+    if a.http_port >= 0:
+        from engine.http_api import create_app
+        from events.prompt import load_chat_template
+        from rpc.http_server import ThreadedHttpServer
+
+        model_name = a.served_model_name or Path(cfg.model_dir).resolve().name
+        app = create_app(loop, model_name, load_chat_template(cfg.model_dir))
+        http = ThreadedHttpServer(app, a.http_host or a.host, a.http_port).start()
+        log.info("OpenAI HTTP API on port %d (model name %r)", http.port, model_name)
+        print(f"kv-engine: http on port {http.port}", flush=True)
     if a.metrics_port >= 0:
         from engine.metrics import EngineCollector
 
@@ -210,6 +229,8 @@ def _serve(a: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     log.info("shutting down")
+    if http is not None:
+        http.stop()
     server.stop(grace=5).wait()
     loop.stop()
     if connector is not None:
