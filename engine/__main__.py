@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+from events.hashing import DEFAULT_SEED, env_hash_seed
+
 # The engine needs the `engine` extra; without it every command (--help too) says so in one line.
 ENGINE_EXTRA: Final = frozenset({"torch", "safetensors", "tokenizers"})
 _missing: str | None = None

@@ -10,7 +10,7 @@ from typing import Final
 
 import torch
 
-from events.hashing import HASH_ALGOS, HashAlgo
+from events.hashing import HASH_ALGOS, HashAlgo, env_hash_seed
 
 DTYPES: Final[dict[str, torch.dtype]] = {
     "float32": torch.float32,
@@ -54,7 +54,8 @@ class EngineConfig:
     """Prompt + output tokens per request; defaults to the model's max_position_embeddings."""
     default_max_tokens: int = 64
     """max_tokens for requests that give none (gRPC sends 0 for 'unset')."""
-    hash_seed: str = "0"
+    hash_seed: str = field(default_factory=lambda: env_hash_seed(os.environ))
+    """Block-hash seed: vLLM's rule by default ($PYTHONHASHSEED, else "vllm-none-hash")."""
     hash_algo: HashAlgo = "sha256_cbor"
     enable_prefix_caching: bool = True
     engine_id: str = field(default_factory=default_engine_id)

@@ -4,6 +4,12 @@
 with ``NONE_HASH = H(canonical_CBOR(str(seed)))``. Blocks chain on the full digest; the wire
 form is the last 8 bytes as an unsigned big-endian int.
 
+The seed follows vLLM (``resolve_none_hash_seed`` in vllm/v1/core/kv_cache_utils.py): the value
+of ``PYTHONHASHSEED`` when set, else the fixed string ``"vllm-none-hash"``, so engines of a fleet
+agree without configuration (:func:`env_hash_seed`; entry points call it, this library reads no
+environment). A request's extra keys per block (LoRA, cache salt, multimodal items) are built by
+:class:`events.extra_keys.RequestKeys` and hashed by :meth:`BlockHasher.hash_request`.
+
 Hashing a 4096-token prompt is on every request's path, so the common case (token ids that
 are non-negative integers below 2**64, bytes parent, no extra keys) encodes every id's
 canonical CBOR at once with numpy and slices it per block; anything else goes through cbor2. Both give
@@ -14,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -22,6 +28,7 @@ import cbor2
 import numpy as np
 import xxhash
 
+from events.extra_keys import RequestKeys
 from events.schema import BlockDigest, BlockHash
 
 HashAlgo = Literal["sha256_cbor", "xxh3_128_cbor"]
@@ -35,6 +42,17 @@ def _sha256(data: bytes) -> BlockDigest:
 
 def _xxh3_128(data: bytes) -> BlockDigest:
     return BlockDigest(xxhash.xxh3_128_digest(data))
+
+
+DEFAULT_SEED: Final = "vllm-none-hash"
+"""vLLM's ``DEFAULT_NONE_HASH_SEED``: the seed of an engine started without PYTHONHASHSEED."""
+
+
+def env_hash_seed(env: Mapping[str, str]) -> str:
+    """The seed a vLLM engine started with environment ``env`` uses: PYTHONHASHSEED, else
+    :data:`DEFAULT_SEED`. (vLLM draws a random seed for its non-cryptographic xxhash algorithms
+    instead; nobody can match those hashes, so we keep the fixed seed for xxh3 too: DECISIONS.)"""
+    return env.get("PYTHONHASHSEED", DEFAULT_SEED)
 
 
 _DIGESTS: Final[dict[HashAlgo, Callable[[bytes], BlockDigest]]] = {
@@ -93,11 +111,11 @@ def to_wire(digest: BlockDigest | bytes) -> BlockHash:
 class BlockHasher:
     """Hashes full blocks of token ids into a chain of digests.
 
-    ``seed`` plays the role of vLLM's PYTHONHASHSEED: engines that should share hashes must
-    use the same seed, algorithm and block size.
+    ``seed`` plays the role of vLLM's PYTHONHASHSEED (default: vLLM's seed without it):
+    engines that should share hashes must use the same seed, algorithm and block size.
     """
 
-    seed: str = "0"
+    seed: str = DEFAULT_SEED
     block_size: int = 16
     algo: HashAlgo = "sha256_cbor"
 
@@ -151,6 +169,26 @@ class BlockHasher:
             parent_digest = self._hash_general(parent_digest, token_ids[start : start + bs], extra_keys)
             out.append(parent_digest)
         return out
+
+    def hash_request(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        keys: RequestKeys | None = None,
+    ) -> list[BlockDigest]:
+        """Digests of every full block of a request whose blocks carry ``keys`` (vLLM's
+        per-block extra keys); the blocks after the last keyed one take the fast path."""
+        bs = self.block_size
+        num_blocks = len(token_ids) // bs
+        last = -1 if keys is None else keys.last_keyed_block(num_blocks, bs)
+        out: list[BlockDigest] = []
+        parent: bytes = self.none_hash
+        for i in range(last + 1):
+            start = i * bs
+            extra = keys.for_block(start, start + bs) if keys is not None else None
+            parent = self._hash_general(parent, token_ids[start : start + bs], extra)
+            out.append(BlockDigest(parent))
+        rest = token_ids[(last + 1) * bs : num_blocks * bs]
+        return out + self.hash_blocks(rest, parent=parent) if len(rest) else out
 
     def hash_blocks_general(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.config import EngineConfig
 from engine.event_sink import RecordingEventSink
 from engine.llm import LLM
 from engine.sampling import SamplingParams
@@ -12,7 +13,7 @@ from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, LogRecord
 from events.state import CacheState
 
 ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-HASHER = BlockHasher("0", 16)
+HASHER = BlockHasher(EngineConfig(model_dir="m").hash_seed, 16)  # the engine's default seed
 
 
 def _tokens(start: int, n: int) -> list[int]:
@@ -73,7 +74,7 @@ def test_engine_hashes_equal_kvctl_hashes(plain_model: Path) -> None:
     llm.generate([_tokens(5, 33)], ONE)
     (event,) = sink.take()
     assert isinstance(event, BlockStored)
-    assert event.block_hashes == tuple(to_wire(d) for d in BlockHasher("0", 16, "sha256_cbor").hash_blocks(_tokens(5, 33)))
+    assert event.block_hashes == tuple(to_wire(d) for d in BlockHasher(HASHER.seed, 16, "sha256_cbor").hash_blocks(_tokens(5, 33)))
 
 
 def test_shared_prefix_stores_only_new_blocks(plain_model: Path) -> None:

@@ -14,7 +14,8 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from events.hashing import BlockHasher, to_wire
+from events.extra_keys import MultiModalItem, RequestKeys
+from events.hashing import DEFAULT_SEED, BlockHasher, env_hash_seed, to_wire
 from events.schema import BlockDigest
 
 
@@ -148,3 +149,64 @@ def test_digests_are_block_digests_and_to_wire_takes_their_last_8_bytes() -> Non
     assert [len(d) for d in digests] == [32, 32]
     assert hasher.hash_block(digests[0], [3, 4]) == digests[1]
     assert to_wire(digests[1]) == int.from_bytes(digests[1][-8:], "big")
+
+
+def test_default_seed_is_vllms() -> None:
+    # vLLM without PYTHONHASHSEED: NONE_HASH = sha256(CBOR text "vllm-none-hash").
+    assert BlockHasher().none_hash == hashlib.sha256(_cbor("vllm-none-hash")).digest()
+    assert env_hash_seed({}) == DEFAULT_SEED == "vllm-none-hash"
+    assert env_hash_seed({"PYTHONHASHSEED": "0", "X": "1"}) == "0"
+    assert env_hash_seed({"PYTHONHASHSEED": ""}) == ""  # set but empty is still set, as os.getenv
+
+
+def test_hash_request_without_keys_is_hash_blocks() -> None:
+    hasher = BlockHasher(block_size=3)
+    tokens = list(range(20))
+    assert hasher.hash_request(tokens) == hasher.hash_blocks(tokens)
+    assert hasher.hash_request(tokens, RequestKeys(form="untagged")) == hasher.hash_blocks(tokens)
+    assert hasher.hash_request(tokens[:2]) == []
+
+
+def test_hash_request_keys_per_block() -> None:
+    hasher = BlockHasher(block_size=2)
+    tokens = [1, 2, 3, 4, 5, 6]
+    none: bytes = hasher.none_hash
+
+    def chain(keys: list[tuple[object, ...] | None]) -> list[bytes]:
+        out: list[bytes] = []
+        parent = none
+        for i, k in enumerate(keys):
+            parent = hashlib.sha256(_cbor([parent, tokens[2 * i : 2 * i + 2], k])).digest()
+            out.append(parent)
+        return out
+
+    salt = RequestKeys(cache_salt="s")
+    assert hasher.hash_request(tokens, salt) == chain([(("cache_salt", "s"),), None, None])
+    lora = RequestKeys(lora_name="a", lora_path="/p", form="tagged")
+    assert hasher.hash_request(tokens, lora) == chain([(("lora", "a", "/p"),)] * 3)
+    mm = RequestKeys(mm_items=(MultiModalItem("img", 1, 2),), form="untagged")  # tokens 1-2
+    assert hasher.hash_request(tokens, mm) == chain([(("img", 1),), (("img", -1),), None])
+    fixed = RequestKeys(fixed=("k",))
+    assert hasher.hash_request(tokens, fixed) == hasher.hash_blocks(tokens, extra_keys=("k",))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lora_path": "/p"}, "a LoRA path needs a LoRA name"),
+        ({"lora_name": "a"}, "give the adapter's path"),
+        ({"fixed": ("k",), "cache_salt": "s"}, "fixed extra keys exclude"),
+        ({"form": "bare"}, "key form must be one of"),
+        ({"mm_items": (MultiModalItem("a", 0, 4), MultiModalItem("b", 3, 1))}, "must be sorted and not overlap"),
+    ],
+)
+def test_bad_request_keys_are_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RequestKeys(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_multimodal_item_is_refused() -> None:
+    with pytest.raises(ValueError, match="offset must be >= 0 and length >= 1"):
+        MultiModalItem("a", 0, 0)
+    with pytest.raises(ValueError, match="needs an identifier"):
+        MultiModalItem("", 0, 1)
