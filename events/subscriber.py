@@ -1,10 +1,15 @@
 """A KV-event subscriber for router authors: bootstrap, follow, fill gaps, answer prefix queries.
 
-    sub = KvEventSubscriber("tcp://bridge:5557", "tcp://bridge:5558", topic="kv-events")
+    sub = KvEventSubscriber("tcp://bridge:5557", "tcp://bridge:5558")
     sub.bootstrap()                      # snapshot: the full current state + the seq to go on from
     while serving:
         sub.poll(100)                    # live batches; a seq gap is filled by a replay request
-        sub.longest_prefix(prompt_ids, BlockHasher(seed="0", block_size=16))
+        sub.longest_prefix(prompt_ids, BlockHasher(block_size=16),     # vLLM's default seed
+                           keys=RequestKeys(cache_salt="tenant-a"))    # the request's extra keys
+
+Topics: without ``topic`` the subscriber takes both the bridge's default topic ``kv-events`` and
+vLLM's default ``""`` (a vLLM engine's own publisher, or a bridge started with ``--topic ""``);
+messages of other topics are counted (``stats.other_topics``) and dropped.
 
 State is a :class:`events.state.CacheState`, fed records rebuilt from the wire with incarnation 0
 (unfenced: the bridge already fenced them). Each event's source is its ``source`` key (our
@@ -32,6 +37,7 @@ import zmq
 
 from events.codec_vllm import WireBatch, decode_batch
 from events.errors import EventsError
+from events.extra_keys import RequestKeys
 from events.hashing import BlockHasher, to_wire
 from events.schema import (
     BlockDigest,
@@ -47,6 +53,9 @@ from events.wire_frames import SNAPSHOT, seq_bytes
 
 log = logging.getLogger("kvsubscriber")
 
+DEFAULT_TOPIC = "kv-events"
+"""kv-bridge's default topic; vLLM's publishers default to ``""``. Subscribers take both."""
+
 
 class SubscriberError(EventsError):
     """The bridge did not answer a replay or snapshot request in time."""
@@ -60,6 +69,7 @@ class SubscriberStats:
     replayed: int = 0
     lost: int = 0  # seqs no replay could supply (trimmed from the log)
     malformed: int = 0
+    other_topics: int = 0  # messages of a topic this subscriber does not follow
 
 
 class KvEventSubscriber:
@@ -67,15 +77,17 @@ class KvEventSubscriber:
         self,
         pub_endpoint: str,
         replay_endpoint: str,
-        topic: str = "kv-events",
+        topic: str | None = None,
         *,
         default_source: str | None = None,
         replay_timeout_s: float = 10.0,
         idle_sync_s: float | None = 2.0,
         ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
-        self.topic = topic.encode()
-        self.default_source = default_source if default_source is not None else topic
+        # None: the bridge's default topic and vLLM's "" (module docstring).
+        self.topics = (DEFAULT_TOPIC.encode(), b"") if topic is None else (topic.encode(),)
+        self.topic = self.topics[0]
+        self.default_source = default_source if default_source is not None else self.topic.decode()
         self.replay_timeout_s = replay_timeout_s
         # PUB/SUB shows a loss only when a later message arrives; when the stream goes quiet
         # (say, right after a bridge restart) we ask the replay socket whether we missed any.
@@ -86,7 +98,8 @@ class KvEventSubscriber:
         self._replay_endpoint = replay_endpoint
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, 0)  # never drop on our side; gaps are the PUB's doing
-        self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        for prefix in {b"" if b"" in self.topics else t for t in self.topics}:
+            self._sub.setsockopt(zmq.SUBSCRIBE, prefix)
         self._sub.connect(pub_endpoint)
         self._dealer = self._new_dealer()
         self.lock = threading.RLock()
@@ -182,7 +195,10 @@ class KvEventSubscriber:
         return True
 
     def _handle_live(self, frames: list[bytes]) -> int:
-        if len(frames) != 3 or frames[0] != self.topic or len(frames[1]) != 8:
+        if len(frames) == 3 and frames[0] not in self.topics:
+            self.stats.other_topics += 1  # the SUB prefix "" takes every topic
+            return 0
+        if len(frames) != 3 or len(frames[1]) != 8:
             self.stats.malformed += 1
             return 0
         seq = int.from_bytes(frames[1], "big")
@@ -264,9 +280,17 @@ class KvEventSubscriber:
         hasher: BlockHasher,
         group_idx: int = 0,
         extra_keys: Sequence[Any] | None = None,
+        keys: RequestKeys | None = None,
     ) -> dict[str, PrefixMatch]:
-        """Per source, how many leading full blocks of ``token_ids`` are cached, and where."""
-        digests: list[BlockDigest] = hasher.hash_blocks(token_ids, extra_keys=extra_keys)
+        """Per source, how many leading full blocks of ``token_ids`` are cached, and where.
+
+        ``keys`` are the request's extra keys as vLLM places them per block (LoRA, cache salt,
+        multimodal items); ``extra_keys``, the older form, mixes one tuple into every block."""
+        if keys is not None and extra_keys is not None:
+            raise ValueError("give keys or extra_keys, not both")
+        if extra_keys is not None:
+            keys = RequestKeys(fixed=tuple(extra_keys))
+        digests: list[BlockDigest] = hasher.hash_request(token_ids, keys)
         hashes: list[BlockHash] = [to_wire(d) for d in digests]
         with self.lock:
             return self.state.longest_prefix(hashes, group_idx)

@@ -12,6 +12,7 @@ import redis
 import zmq
 
 from events.codec_vllm import encode_batch
+from events.extra_keys import MultiModalItem, RequestKeys
 from events.hashing import BlockHasher, to_wire
 from events.schema import BlockRemoved, BlockStored, Event
 from events.state import PrefixMatch
@@ -53,7 +54,8 @@ def test_longest_prefix_per_source_through_the_bridge(redis_url: str, tmp_path: 
 class ScriptedPublisher:
     """A WIRE.md peer: publishes chosen seqs and serves replay from a fixed batch list."""
 
-    def __init__(self, batches: list[bytes]) -> None:
+    def __init__(self, batches: list[bytes], topic: bytes = b"t") -> None:
+        self.topic = topic
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub_endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -77,11 +79,11 @@ class ScriptedPublisher:
             if not self.serving or req.start_seq is None:
                 continue
             for seq in range(req.start_seq, len(self.batches)):
-                self.router.send_multipart([req.identity, b"", b"t", seq_bytes(seq), self.batches[seq]])
+                self.router.send_multipart([req.identity, b"", self.topic, seq_bytes(seq), self.batches[seq]])
             self.router.send_multipart([req.identity, b"", b"", END_SEQ, b""])
 
     def publish(self, seq: int) -> None:
-        self.pub.send_multipart([b"t", seq_bytes(seq), self.batches[seq]])
+        self.pub.send_multipart([self.topic, seq_bytes(seq), self.batches[seq]])
 
     def close(self) -> None:
         self.stop.set()
@@ -145,3 +147,43 @@ def test_malformed_live_messages_are_dropped(peer: ScriptedPublisher) -> None:
         assert sub.run_until(lambda s: s.next_seq == 3)
         assert sub.stats.malformed == 2
         assert sub.view() == {("t", "GPU", 0): frozenset({10, 12})}
+
+
+@pytest.mark.parametrize("topic", [b"", b"kv-events"])
+def test_default_topic_takes_vllms_and_ours(topic: bytes) -> None:
+    """vLLM's publishers default to topic "", the bridge to "kv-events": both are followed."""
+    peer = ScriptedPublisher([_batch(h) for h in range(10, 13)], topic=topic)
+    try:
+        with KvEventSubscriber(peer.pub_endpoint, peer.replay_endpoint, idle_sync_s=None) as sub:
+            _joined(sub, peer)
+            peer.pub.send_multipart([b"kv-events/other", seq_bytes(1), peer.batches[1]])
+            peer.publish(2)  # seq 1 missing on our topics: filled by replay
+            assert sub.run_until(lambda s: s.next_seq == 3)
+            assert sub.stats.other_topics == 1 and sub.stats.gaps == 1
+            assert sub.view() == {("kv-events", "GPU", 0): frozenset({10, 11, 12})}
+    finally:
+        peer.close()
+
+
+def test_longest_prefix_with_vllm_extra_keys() -> None:
+    """A vLLM engine's blocks of a salted LoRA request with an image match only with its keys."""
+    hasher = BlockHasher(block_size=2)
+    prompt = list(range(1, 9))  # 4 blocks; an image on tokens 2-4
+    keys = RequestKeys(lora_name="sql", lora_path="/a/sql", cache_salt="t1",
+                       mm_items=(MultiModalItem("img0", 2, 3),))
+    hashes = tuple(to_wire(d) for d in hasher.hash_request(prompt, keys))
+    stored = encode_batch([BlockStored(hashes, None, tuple(prompt), 2, "GPU")], 1.0)
+    peer = ScriptedPublisher([stored], topic=b"")
+    try:
+        with KvEventSubscriber(peer.pub_endpoint, peer.replay_endpoint, idle_sync_s=None,
+                               default_source="vllm-0") as sub:
+            _joined(sub, peer)
+            assert sub.longest_prefix(prompt, hasher, keys=keys) == {"vllm-0": PrefixMatch(4, 4, 0, 4.0)}
+            assert sub.longest_prefix(prompt, hasher) == {}
+            other_salt = RequestKeys(lora_name="sql", lora_path="/a/sql", cache_salt="t2",
+                                     mm_items=keys.mm_items)
+            assert sub.longest_prefix(prompt, hasher, keys=other_salt) == {}
+            with pytest.raises(ValueError, match="not both"):
+                sub.longest_prefix(prompt, hasher, extra_keys=("x",), keys=keys)
+    finally:
+        peer.close()
