@@ -24,12 +24,19 @@ class BridgeConfig:
     pub_endpoint: str = "tcp://*:5557"
     replay_endpoint: str = "tcp://*:5558"
     topic: str = "kv-events"
-    """Topic of the mixed stream, the single-source stream, or a template with ``{source}``."""
+    """Topic of the mixed stream, the single-source stream, or a template with ``{source}``.
+    vLLM's publishers use ``""``; our subscriber follows both by default."""
     layout: Layout = "map"
+    legacy_pub_endpoint: str | None = None
+    """A second PUB for the same streams in the legacy array layout (bridge.legacy_mirror)."""
+    legacy_replay_endpoint: str | None = None
+    """Its ROUTER: replay and snapshots in the legacy layout."""
     source: str | None = None
     """Publish only this engine's records, numbered from 0 on their own."""
     per_source: bool = False
     """Publish every source on its own topic (``topic`` must contain ``{source}``)."""
+    default_source: str | None = None
+    """Per-source mode: whose stream a request without a topic frame (vLLM's) replays."""
     start: StartAt = "resume"
     """Where a bridge with no saved position starts publishing: at the head or from offset 1."""
     hwm: int = 100_000
@@ -65,6 +72,13 @@ class BridgeConfig:
             raise BridgeConfigError(f"--per-source needs a topic template with {{source}}, got {self.topic!r}")
         if not self.per_source and "{source}" in self.topic:
             raise BridgeConfigError("a topic with {source} needs --per-source")
+        if self.default_source is not None and not self.per_source:
+            raise BridgeConfigError("--default-source is for --per-source mode")
+        if (self.legacy_pub_endpoint is None) != (self.legacy_replay_endpoint is None):
+            raise BridgeConfigError("give both --legacy-pub and --legacy-replay, or neither")
+        if self.legacy_pub_endpoint is not None and self.layout == "legacy":
+            raise BridgeConfigError("--legacy-pub adds the legacy layout to a map-layout bridge; "
+                                    "this one already publishes the legacy layout")
         if min(self.hwm, self.metrics_port, self.max_pending) < 0:
             raise BridgeConfigError("hwm, metrics_port and max_pending must be >= 0")
         if self.read_chunk < 1 or self.replay_chunk < 1:
@@ -100,15 +114,26 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--replay", dest="replay_endpoint", default=e("REPLAY", d.replay_endpoint),
                    help="ZMQ ROUTER endpoint to bind for replay and snapshot requests")
     p.add_argument("--topic", default=e("TOPIC", d.topic),
-                   help="topic frame of every message (vLLM's test subscribers use 'test')")
+                   help="topic frame of every message; default kv-events (vLLM's publishers use "
+                        "'', which vLLM consumers subscribe to by default: pass --topic '' for them)")
     p.add_argument("--layout", choices=["map", "legacy"], default=e("LAYOUT", d.layout),
                    help="event encoding: map (vLLM >= 0.24) or legacy arrays (older consumers)")
+    p.add_argument("--legacy-pub", dest="legacy_pub_endpoint", default=e("LEGACY_PUB", None),
+                   help="also publish the same streams in the legacy array layout on this PUB "
+                        "endpoint (for vLLM's example subscriber); needs --legacy-replay")
+    p.add_argument("--legacy-replay", dest="legacy_replay_endpoint",
+                   default=e("LEGACY_REPLAY", None),
+                   help="ROUTER endpoint for replay and snapshots in the legacy layout")
     p.add_argument("--source", default=e("SOURCE", d.source), help="publish only this engine")
     p.add_argument(
         "--per-source", action="store_true",
         default=str(e("PER_SOURCE", "")).lower() in ("1", "true", "yes"),
         help="one topic per source; --topic must contain {source}",
     )
+    p.add_argument("--default-source", default=e("DEFAULT_SOURCE", None),
+                   help="--per-source: the source whose stream answers a replay request without "
+                        "a topic frame (vLLM's clients); without it such a request gets an error "
+                        "end marker")
     p.add_argument("--start", choices=["resume", "head", "beginning"], default=e("START", d.start),
                    help="where publishing starts: the saved position, the log's head, or offset 1")
     p.add_argument("--hwm", type=int, default=int(str(e("HWM", d.hwm))),
@@ -129,7 +154,9 @@ def config_from_args(argv: Sequence[str], env: Mapping[str, str]) -> BridgeConfi
     return BridgeConfig(
         redis_url=a.redis_url, namespace=a.namespace, name=a.name, pub_endpoint=a.pub_endpoint,
         replay_endpoint=a.replay_endpoint, topic=a.topic, layout=a.layout, source=a.source or None,
-        per_source=a.per_source, start=a.start, hwm=a.hwm, metrics_port=a.metrics_port,
+        per_source=a.per_source, default_source=a.default_source or None,
+        legacy_pub_endpoint=a.legacy_pub_endpoint or None,
+        legacy_replay_endpoint=a.legacy_replay_endpoint or None, start=a.start, hwm=a.hwm, metrics_port=a.metrics_port,
         metrics_host=a.metrics_host, max_pending=a.max_pending,
         log_level=str(a.log_level).upper(),
     )

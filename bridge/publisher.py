@@ -44,6 +44,7 @@ from bridge.bootstrap import CheckpointReader
 from bridge.config import BridgeConfig
 from bridge.epoch import EpochWatch, Preamble, clear_batches
 from bridge.errors import ForeignEntry
+from bridge.legacy_mirror import LegacyMirror
 from bridge.metrics import BridgeMetrics, Health
 from bridge.position import PositionStore, SavedPosition
 from bridge.replay_server import ReplayPlan, ReplayServer, SnapshotPlan
@@ -109,6 +110,8 @@ class Bridge:
         self._pub.setsockopt(zmq.LINGER, 1000)
         self._pub.bind(config.pub_endpoint)
         self._replay = ReplayServer(ctx, config, reader, self, self.metrics)
+        # --legacy-pub: every batch also goes out in the legacy layout (bridge.legacy_mirror)
+        self._legacy = LegacyMirror(ctx, config, reader, self, self.metrics) if config.legacy_pub_endpoint else None
         # The daemon trims the log behind its checkpoints (offloadd.log.checkpoint): a bridge
         # that fell behind the horizon skips what is gone, counted here (and logged).
         self.gap_records = Counter(
@@ -153,6 +156,8 @@ class Bridge:
 
     def close(self) -> None:
         self._replay.stop()
+        if self._legacy is not None:  # legacy mirror
+            self._legacy.stop()
         if self._started:
             try:
                 self._save(force=True)
@@ -209,6 +214,8 @@ class Bridge:
         if carried is not None:
             self._open_epoch(epoch or "", carried)
         self._replay.start()
+        if self._legacy is not None:  # legacy mirror
+            self._legacy.start()
         log.info("kv-bridge ready: pub=%s replay=%s topic=%s layout=%s resume_after=%d head=%d",
                  self.endpoints.pub, self.endpoints.replay, self.config.topic, self.config.layout,
                  self._position, head)
@@ -332,6 +339,8 @@ class Bridge:
                 stream.index = SeqIndex(first + len(stream.preamble))
                 for seq, payload in stream.preamble:
                     self._pub.send_multipart([stream.topic_bytes, seq.to_bytes(8, "big"), payload])
+                    if self._legacy is not None:  # legacy mirror
+                        self._legacy.publish_payload(stream.topic_bytes, seq, payload)
             self._state.reset()
             self._position = 0
         self._epochs.opened(epoch)
@@ -371,6 +380,8 @@ class Bridge:
         pub.send(stream.topic_bytes, zmq.SNDMORE)
         pub.send(seq.to_bytes(8, "big"), zmq.SNDMORE)
         pub.send(batch.payload)
+        if self._legacy is not None:  # legacy mirror
+            self._legacy.publish(stream.topic_bytes, seq, data)
         return 1
 
     def _skip(self, offset: int) -> None:

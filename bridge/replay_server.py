@@ -5,6 +5,15 @@ Runs on its own thread and reads the log itself, so a long replay does not hold 
 publishing: it takes the bridge's lock only to look up where a seq lives (or to export the
 state for a snapshot), then streams records from Redis in chunks. The ROUTER socket is in
 mandatory mode so a slow requester makes us wait (up to a timeout) instead of losing frames.
+
+A request names its stream by the optional topic frame (wire_frames); a plain 3-frame request, as
+vLLM's clients send, means the one stream, or in per-source mode ``--default-source``'s. A request
+for no stream is answered at once with an error end marker, ``[b"error: <why>", END, b""]``: every
+vLLM client ends its replay on the END seq (and on the empty payload), instead of waiting for a
+timeout, and our subscriber raises the error.
+
+A bridge serving both layouts runs two of these (bridge.legacy_mirror): same streams and seqs,
+each encoding in its own layout.
 """
 
 from __future__ import annotations
@@ -18,11 +27,11 @@ from typing import Protocol
 
 import zmq
 
-from bridge.config import BridgeConfig
+from bridge.config import BridgeConfig, Layout
 from bridge.epoch import Preamble
 from bridge.errors import PeerGone
 from bridge.metrics import BridgeMetrics
-from bridge.transcode import batch_for, takes_seq
+from bridge.transcode import batch_for, relayout, takes_seq
 from events.codec_vllm import encode_batch
 from events.logreader import LogReader, LogUnavailable
 from events.schema import BlockStored
@@ -68,8 +77,12 @@ class ReplayServer:
         reader: LogReader,
         source: ReplaySource,
         metrics: BridgeMetrics,
+        *,
+        layout: Layout | None = None,
+        endpoint: str | None = None,
     ) -> None:
         self._config = config
+        self._layout: Layout = layout or config.layout
         self._reader = reader
         self._source = source
         self._metrics = metrics
@@ -77,7 +90,7 @@ class ReplayServer:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.SNDHWM, config.hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(config.replay_endpoint)
+        self._sock.bind(endpoint or config.replay_endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvbridge-replay", daemon=True)
@@ -111,18 +124,21 @@ class ReplayServer:
                 log.exception("replay request failed")
 
     def _handle(self, request: ReplayRequest) -> None:
+        topic = request.topic
+        if topic is None and self._config.per_source and self._config.default_source:
+            topic = self._config.topic_for(self._config.default_source).encode()
         if request.start_seq is None:
             self._metrics.requests.labels("snapshot").inc()
-            snap = self._source.snapshot_plan(request.topic)
+            snap = self._source.snapshot_plan(topic)
             if snap is None:
-                log.warning("snapshot request for unknown topic %r ignored", request.topic)
+                self._refuse(request.identity, topic)
                 return
             self._send_snapshot(request.identity, snap)
             return
         self._metrics.requests.labels("replay").inc()
-        plan = self._source.replay_plan(request.topic, request.start_seq)
+        plan = self._source.replay_plan(topic, request.start_seq)
         if plan is None:
-            log.warning("replay request for unknown topic %r ignored", request.topic)
+            self._refuse(request.identity, topic)
             return
         sent = 0
         try:
@@ -132,13 +148,26 @@ class ReplayServer:
         log.info("replayed %d batches from seq %d", sent, plan.start_seq)
         self._send(request.identity, [b"", END_SEQ, b""])
 
+    def _refuse(self, identity: bytes, topic: bytes | None) -> None:
+        """Answer a request for no stream with the error end marker (module docstring)."""
+        self._metrics.requests.labels("unknown_topic").inc()
+        if topic is None:
+            why = ("this bridge publishes one topic per source: add the topic as a 4th request "
+                   "frame, or start the bridge with --default-source")
+        else:
+            why = f"no stream has topic {topic.decode(errors='replace')!r} (yet)"
+        log.warning("replay/snapshot request answered with an error: %s", why)
+        self._send(identity, [b"error: " + why.encode(), END_SEQ, b""])
+
     def _send_replay(self, identity: bytes, plan: ReplayPlan) -> int:
-        for seq_, payload in plan.preamble:
+        for seq_, payload in plan.preamble:  # encoded in the publisher's layout
+            if self._layout != self._config.layout:
+                payload = relayout(payload, self._layout)
             self._send(identity, [plan.topic, seq_bytes(seq_), payload])
         seq = plan.start_seq
         if plan.end_offset < plan.start_offset:
             return len(plan.preamble)
-        layout = self._config.layout
+        layout = self._layout
         sent = 0
         for offset, data in self._reader.iter_range_raw(
             plan.start_offset, plan.end_offset, self._config.replay_chunk
@@ -159,7 +188,7 @@ class ReplayServer:
         return sent + len(plan.preamble)
 
     def _send_snapshot(self, identity: bytes, snap: SnapshotPlan) -> None:
-        layout = self._config.layout
+        layout = self._layout
         index = 0
         ts = time.time()
         for source, events in snap.parts:

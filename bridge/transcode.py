@@ -15,7 +15,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from events.codec_vllm import encode_batch
+from events.codec_vllm import decode_batch, encode_batch
 from events.records import decode_record, decode_record_view
 from events.schema import LogRecord, SchemaError
 
@@ -51,6 +51,13 @@ def batch_for(data: bytes, layout: Literal["map", "legacy"]) -> Transcoded | Non
         return None
     payload = encode_batch(record.events, record.ts, layout="legacy")
     return Transcoded(record.offset, record.source, len(record.events), payload)
+
+
+def relayout(payload: bytes, layout: Literal["map", "legacy"]) -> bytes:
+    """A batch we encoded, in ``layout`` (the legacy layout carries no source)."""
+    batch = decode_batch(payload)
+    source = batch.sources[0] if layout == "map" and batch.sources else None
+    return encode_batch(batch.events, batch.ts, layout=layout, dp_rank=batch.dp_rank, source=source)
 
 
 def takes_seq(batch: Transcoded | None, source: str | None) -> bool:

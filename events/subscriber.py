@@ -269,6 +269,8 @@ class KvEventSubscriber:
                 continue
             _empty, topic, seq_frame, payload = frames
             if payload == b"":
+                if topic.startswith(b"error:"):  # the bridge's answer to a request for no stream
+                    raise SubscriberError(f"{self._replay_endpoint}: {topic.decode(errors='replace')}")
                 return out, seq_frame
             out.append((topic, seq_frame, payload))
 

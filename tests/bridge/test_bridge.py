@@ -15,7 +15,7 @@ from bridge.main import main as bridge_main
 from events.logkeys import LogKeys
 from events.schema import LogRecord
 from events.state import CacheState
-from events.subscriber import KvEventSubscriber
+from events.subscriber import KvEventSubscriber, SubscriberError
 from tests.support.bridge_proc import BridgeProcess, FleetSimulator, LogWriter
 from tests.support.redis_proc import RedisProcess
 
@@ -169,11 +169,40 @@ def test_per_source_topics_on_one_socket(
                 assert frames[1] == f"kv@{source}".encode()
                 seqs.append(int.from_bytes(frames[2], "big"))
             assert seqs == list(range(sum(r.source == source for r in records)))
-        # A request without a topic is ambiguous with several streams: ignored.
-        dealer.send_multipart([b"", b"\0" * 8])
-        assert not dealer.poll(300)
+        # vLLM's request has no topic frame: ambiguous with several streams, so it is answered
+        # at once with the error end marker a vLLM client ends on (no --default-source here).
+        for request in ([b"", b"\0" * 8], [b"", b"snapshot"], [b"", b"\0" * 8, b"kv@nobody"]):
+            dealer.send_multipart(request)
+            assert dealer.poll(5000), f"{request} got no answer"
+            empty, error, end, payload = dealer.recv_multipart()
+            assert (empty, end, payload) == (b"", b"\xff" * 8, b"")
+            assert error.startswith(b"error: ")
+        assert b"4th request frame" in error or b"kv@nobody" in error
+        assert 'kvbridge_replay_requests_total{kind="unknown_topic"} 3.0' in bridge.metrics()
+        with KvEventSubscriber(bridge.pub, bridge.replay, "kv@a") as sub, \
+                pytest.raises(SubscriberError, match="--default-source"):
+            sub.replay_from(0)  # our subscriber sends vLLM's 3 frames: the error is raised
     finally:
         ctx.destroy(linger=0)
+        bridge.stop()
+
+
+def test_per_source_default_source_answers_vllm_requests(
+    redis_url: str, client: redis.Redis, tmp_path: Path
+) -> None:
+    writer, sim = LogWriter(client), FleetSimulator(["a", "b"], seed=9)
+    records = sim.write(writer, 30)
+    mine = [r for r in records if r.source == "b"]
+    bridge = BridgeProcess(redis_url, tmp_path, "--per-source", "--topic", "kv@{source}",
+                           "--start", "beginning", "--default-source", "b")
+    bridge.start()
+    try:
+        with KvEventSubscriber(bridge.pub, bridge.replay, "kv@b") as sub:
+            assert sub.replay_from(0) == len(mine)  # 3-frame request: b's stream
+            assert sub.view() == _full_state(mine).view()
+            assert sub.bootstrap() == len(mine)  # a snapshot without a topic too
+            assert sub.view() == _full_state(mine).view()
+    finally:
         bridge.stop()
 
 

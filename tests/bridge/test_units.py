@@ -9,7 +9,7 @@ from bridge.config import BridgeConfig, config_from_args
 from bridge.errors import BridgeConfigError, BridgeError, PeerGone, SeqIndexError
 from bridge.position import PositionStore, SavedPosition
 from bridge.seqindex import SeqIndex
-from bridge.transcode import batch_for, takes_seq, transcode_record
+from bridge.transcode import batch_for, relayout, takes_seq, transcode_record
 from events.codec_vllm import encode_batch
 from events.logkeys import LogKeys
 from events.logreader import LogReader, LogUnavailable
@@ -118,6 +118,29 @@ def test_config_from_flags_and_env() -> None:
         BridgeConfig(source="a", per_source=True, topic="kv@{source}")
     with pytest.raises(ValueError, match=r"a topic with \{source\} needs --per-source"):
         BridgeConfig(topic="kv@{source}")
+
+
+def test_config_of_vllm_compatibility_options() -> None:
+    env = {"KVB_LEGACY_PUB": "tcp://*:6557", "KVB_LEGACY_REPLAY": "tcp://*:6558"}
+    cfg = config_from_args(["--per-source", "--topic", "kv@{source}", "--default-source", "e0"], env)
+    assert (cfg.default_source, cfg.legacy_pub_endpoint, cfg.legacy_replay_endpoint) == (
+        "e0", "tcp://*:6557", "tcp://*:6558")
+    assert config_from_args(["--topic", ""], {}).topic == ""  # vLLM's topic
+    with pytest.raises(BridgeConfigError, match="--default-source is for --per-source mode"):
+        config_from_args(["--default-source", "e0"], {})
+    with pytest.raises(BridgeConfigError, match="give both --legacy-pub and --legacy-replay"):
+        config_from_args(["--legacy-pub", "tcp://*:1"], {})
+    with pytest.raises(BridgeConfigError, match="already publishes the legacy layout"):
+        config_from_args(["--layout", "legacy"], env)
+
+
+def test_relayout_keeps_the_batch() -> None:
+    events = (BlockStored((1, 2), None, (1, 2, 3, 4), 2, "GPU"), AllBlocksCleared())
+    payload = encode_batch(events, 2.5, dp_rank=3, source="e")
+    legacy = relayout(payload, "legacy")
+    assert legacy == encode_batch(events, 2.5, layout="legacy", dp_rank=3)
+    assert relayout(legacy, "map") == encode_batch(events, 2.5, dp_rank=3)
+    assert relayout(payload, "map") == payload
 
 
 def _special_records() -> list[LogRecord]:

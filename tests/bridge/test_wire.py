@@ -23,6 +23,7 @@ from tests.events.vllm_schema import (
     VBlockStored,
 )
 from tests.support.bridge_proc import BridgeProcess, FleetSimulator, LogWriter
+from tests.support.redis_proc import free_port
 
 END = b"\xff" * 8
 
@@ -176,12 +177,70 @@ def test_malformed_replay_requests_are_ignored_and_service_continues(
         dealer.send_multipart([b"", b"\x00" * 9])  # seq too long
         dealer.send_multipart([b"x", b"\x00" * 8])  # no empty delimiter
         dealer.send_multipart([b"", b"\x00" * 8, b"topic", b"extra"])  # too many frames
-        dealer.send_multipart([b"", b"\x00" * 8, b"no-such-topic"])  # unknown topic
         dealer.send_multipart([b"", END])  # the end marker is no start seq
         assert not dealer.poll(300), "a malformed request got an answer"
+        dealer.send_multipart([b"", b"\x00" * 8, b"no-such-topic"])  # well formed, no such stream
+        assert dealer.poll(5000)
+        assert dealer.recv_multipart() == [b"", b"error: no stream has topic 'no-such-topic' (yet)", END, b""]
         reply = _replay(dealer, 3)
         assert [int.from_bytes(f[2], "big") for f in reply[:-1]] == [3, 4]
         assert bridge.health()[0] == 200
         assert 'kvbridge_replay_requests_total{kind="malformed"} 5.0' in bridge.metrics()
+    finally:
+        assert bridge.stop() == 0
+
+
+def test_one_bridge_serves_both_layouts(
+    redis_url: str, client: redis.Redis, zctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path
+) -> None:
+    """--legacy-pub/--legacy-replay: the same batches under the same seqs, one pair per layout;
+    a v0.33 decoder reads one, a v0.23 (vLLM's example subscriber) decoder the other."""
+    writer, sim = LogWriter(client), FleetSimulator(["engine-a", "offloadd"], seed=5)
+    early = sim.write(writer, 6)
+    legacy_pub = f"tcp://127.0.0.1:{free_port()}"
+    legacy_replay = f"tcp://127.0.0.1:{free_port()}"
+    bridge = BridgeProcess(redis_url, tmp_path, "--topic", "", "--start", "beginning",
+                           "--legacy-pub", legacy_pub, "--legacy-replay", legacy_replay)
+    bridge.start()
+    try:
+        map_sub, legacy_sub = _sub(zctx, bridge.pub, b""), _sub(zctx, legacy_pub, b"")
+        joined = []
+        deadline = time.monotonic() + 10
+        while not (map_sub.poll(50) and legacy_sub.poll(50)):  # both joined
+            assert time.monotonic() < deadline, "subscribers never joined"
+            joined += sim.write(writer, 1)
+        for sock in (map_sub, legacy_sub):  # start both at the same seq
+            while sock.poll(200):
+                sock.recv_multipart()
+        written = sim.write(writer, 15)
+        by_offset = {r.offset: r for r in early + joined + written}
+        map_live, legacy_live = _recv_live(map_sub, 15), _recv_live(legacy_sub, 15)
+        assert [f[:2] for f in map_live] == [f[:2] for f in legacy_live]
+        for (_, seq, m), (_, _, legacy) in zip(map_live, legacy_live, strict=True):
+            want = _expected_wire(by_offset[int.from_bytes(seq, "big") + 1])
+            assert _got_wire(msgspec.msgpack.decode(m, type=KVEventBatch)) == want
+            assert _got_wire(msgspec.msgpack.decode(legacy, type=LegacyBatch)) == want
+            with pytest.raises(msgspec.ValidationError):
+                msgspec.msgpack.decode(legacy, type=KVEventBatch)
+
+        dealer = zctx.socket(zmq.DEALER)
+        dealer.connect(legacy_replay)
+        reply = _replay(dealer, 0)
+        assert reply[-1] == [b"", b"", END, b""]
+        n = max(by_offset)
+        assert [int.from_bytes(f[2], "big") for f in reply[:-1]] == list(range(n))
+        for f in reply[:-1]:
+            batch = msgspec.msgpack.decode(f[3], type=LegacyBatch)
+            assert _got_wire(batch) == _expected_wire(by_offset[int.from_bytes(f[2], "big") + 1])
+        dealer.send_multipart([b"", b"snapshot"])
+        snapshot = []
+        while True:
+            assert dealer.poll(5000)
+            frames = dealer.recv_multipart()
+            if frames[3] == b"":
+                assert int.from_bytes(frames[2], "big") == n  # the live seq to continue from
+                break
+            snapshot.append(msgspec.msgpack.decode(frames[3], type=LegacyBatch))
+        assert snapshot and all(isinstance(e, LBlockStored) for b in snapshot for e in b.events)
     finally:
         assert bridge.stop() == 0
