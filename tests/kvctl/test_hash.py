@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -18,13 +19,18 @@ Digest = Callable[[bytes], bytes]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def kvctl(*args: str) -> subprocess.CompletedProcess[str]:
+def kvctl(*args: str, seed_env: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run kvctl with PYTHONHASHSEED unset, or set to ``seed_env``."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    if seed_env is not None:
+        env["PYTHONHASHSEED"] = seed_env
     return subprocess.run(
         [sys.executable, "-m", "kvctl", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
 
 
@@ -53,9 +59,45 @@ def test_hash_subprocess_matches_reference() -> None:
     assert got.stderr == ""
 
 
+def test_default_seed_is_vllms_and_follows_pythonhashseed() -> None:
+    tokens = [str(t) for t in range(8)]
+    plain = kvctl("hash", "--block-size", "4", *tokens)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.split() == [str(h) for h in _reference_chain(list(range(8)), "vllm-none-hash", 4)]
+    seeded = kvctl("hash", "--block-size", "4", *tokens, seed_env="0")
+    assert seeded.stdout.split() == [str(h) for h in _reference_chain(list(range(8)), "0", 4)]
+    explicit = kvctl("hash", "--seed", "0", "--block-size", "4", *tokens)
+    assert explicit.stdout == seeded.stdout  # an explicit seed wins and equals the old default
+    assert "PYTHONHASHSEED" in kvctl("hash", "--help").stdout
+
+
+def test_vllm_extra_key_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """LoRA on every block, salt on the first, an image on the blocks it overlaps (tagged)."""
+    argv = ["hash", "--seed", "0", "--block-size", "2", "--lora-name", "a", "--lora-path", "/p",
+            "--cache-salt", "s", "--mm", "img:x:3:2", "1", "2", "3", "4", "5", "6"]
+    assert main(argv) == 0
+    keys = [
+        [["lora", "a", "/p"], ["cache_salt", "s"]],
+        [["lora", "a", "/p"], ["mm", "img:x", 1]],
+        [["lora", "a", "/p"], ["mm", "img:x", -1]],
+    ]
+    parent, want = _sha256(_cbor("0")), []
+    for i, k in enumerate(keys):
+        parent = _sha256(_cbor([parent, [1, 2, 3, 4, 5, 6][2 * i : 2 * i + 2], k]))
+        want.append(int.from_bytes(parent[-8:], "big"))
+    assert capsys.readouterr().out.split() == [str(h) for h in want]
+    untagged = ["hash", "--seed", "0", "--block-size", "2", "--key-form", "untagged",
+                "--cache-salt", "s", "--lora-name", "a", "1", "2"]
+    assert main(untagged) == 0
+    want1 = _sha256(_cbor([_sha256(_cbor("0")), [1, 2], ["a", "s"]]))
+    assert capsys.readouterr().out == f"{int.from_bytes(want1[-8:], 'big')}\n"
+
+
 def test_hash_algo_and_extra_keys(capsys: pytest.CaptureFixture[str]) -> None:
     argv = [
         "hash",
+        "--seed",
+        "0",
         "--block-size",
         "2",
         "--extra-key",
@@ -70,7 +112,7 @@ def test_hash_algo_and_extra_keys(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 0
     want = _reference([1, 2, 3, 4], "0", 2, ("lora-a", "salt"), _sha256)
     assert capsys.readouterr().out.split() == [str(h) for h in want]
-    assert main(["hash", "--algo", "xxh3_128_cbor", "--block-size", "2", "5", "6"]) == 0
+    assert main(["hash", "--seed", "0", "--algo", "xxh3_128_cbor", "--block-size", "2", "5", "6"]) == 0
     want = _reference([5, 6], "0", 2, None, xxhash.xxh3_128_digest)
     assert capsys.readouterr().out == f"{want[0]}\n"
 
@@ -89,6 +131,16 @@ def test_partial_block_prints_nothing(capsys: pytest.CaptureFixture[str]) -> Non
         (["hash", "1", "-5"], "kvctl: error: token -5 is negative; token ids are non-negative\n"),
         (["hash", "1.5"], "kvctl: error: token '1.5' is not an integer\n"),
         (["hash", "--block-size", "0", "1"], "kvctl: error: block_size must be > 0, got 0\n"),
+        (["hash", "--lora-name", "a", "1"], "kvctl: error: vLLM's tagged form hashes ('lora', name, "
+         "path): give the adapter's path too (or use the untagged form of older vLLM versions)\n"),
+        (["hash", "--lora-path", "/p", "1"], "kvctl: error: a LoRA path needs a LoRA name\n"),
+        (["hash", "--extra-key", "k", "--cache-salt", "s", "1"],
+         "kvctl: error: fixed extra keys exclude the LoRA, cache salt and multimodal keys\n"),
+        (["hash", "--mm", "img:3", "1"], "kvctl: error: --mm 'img:3' is not ID:OFFSET:LENGTH\n"),
+        (["hash", "--mm", "img:3:0", "1"], "kvctl: error: --mm 'img:3:0' is not ID:OFFSET:LENGTH: "
+         "multimodal item 'img': offset must be >= 0 and length >= 1, got offset 3, length 0\n"),
+        (["hash", "--mm", "a:0:4", "--mm", "b:2:1", "1"], "kvctl: error: multimodal items must be "
+         "sorted and not overlap: 'b' at 2 starts before 'a' (0+4) ends\n"),
     ],
 )
 def test_bad_input_is_a_clear_error(args: list[str], message: str) -> None:
