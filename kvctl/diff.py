@@ -7,11 +7,13 @@ import json
 from typing import Any
 
 from events.schema import Medium
+from events.state import CacheState
 from kvctl.errors import KvctlError
 from kvctl.logsource import add_source_args
 from kvctl.replay import state_at
 
 TierKey = tuple[str, Medium, int]
+Changes = dict[TierKey, tuple[list[int], list[int]]]
 
 
 def register(subparsers: Any) -> None:
@@ -34,13 +36,7 @@ def run(args: argparse.Namespace) -> int:
         raise KvctlError(f"A ({args.a}) must not be after B ({args.b})")
     before, _ = state_at(args, args.a)
     after, _ = state_at(args, args.b)
-    va, vb = before.view(), after.view()
-    changes: dict[TierKey, tuple[list[int], list[int]]] = {}
-    for key in sorted(va.keys() | vb.keys()):
-        old, new = va.get(key, frozenset()), vb.get(key, frozenset())
-        added, removed = sorted(new - old), sorted(old - new)
-        if added or removed:
-            changes[key] = (added, removed)
+    changes = tier_changes(before, after)
     if args.json:
         out: list[dict[str, Any]] = [
             {"source": s, "medium": m, "group_idx": g, "added": a, "removed": r}
@@ -59,3 +55,16 @@ def run(args: argparse.Namespace) -> int:
             for h in removed:
                 print(f"  - {h}")
     return 0
+
+
+def tier_changes(before: CacheState, after: CacheState) -> Changes:
+    """Per tier, the blocks resident after but not before (added) and before but not after
+    (removed), sorted; tiers without a change are left out."""
+    va, vb = before.view(), after.view()
+    changes: Changes = {}
+    for key in sorted(va.keys() | vb.keys()):
+        old, new = va.get(key, frozenset()), vb.get(key, frozenset())
+        added, removed = sorted(new - old), sorted(old - new)
+        if added or removed:
+            changes[key] = (added, removed)
+    return changes

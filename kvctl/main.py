@@ -24,6 +24,7 @@ from kvctl import replay as replay_cmd
 from kvctl import stats as stats_cmd
 from kvctl import tail as tail_cmd
 from kvctl import verify as verify_cmd
+from kvctl import web as web_cmd
 from kvctl.errors import KvctlError
 
 PROG: Final = "kvctl"
@@ -39,6 +40,7 @@ COMMANDS: Final[tuple[ModuleType, ...]] = (
     stats_cmd,
     tail_cmd,
     plot_cmd,
+    web_cmd,
     demo_cmd,
 )
 

@@ -1,0 +1,195 @@
+"""A log held in memory for random access: the state at any offset and the change between two.
+
+``kvctl web`` asks for states in any order as a slider moves. Each is rebuilt by the one reducer
+(:class:`events.state.CacheState`) from the nearest kept state at or before it: the state the
+log starts from (offset 0 or a checkpoint), an export every ``keep_every`` records, and the state
+after each jump over a gap (kvctl.logsource restores the state it hands over in place there), all
+taken in the one pass that loads the log. That pass also keeps the violations the reducer found
+and the resident blocks per tier after every record, downsampled, for the page's overview.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from events.schema import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, LogRecord, Medium
+from events.state import CacheState, Snapshot, Violation
+from kvctl.diff import tier_changes
+from kvctl.errors import KvctlError
+
+OVERVIEW_POINTS = 400
+SAMPLE_HASHES = 10
+MAX_CHAINS = 100
+
+
+def hash_text(h: int) -> str:
+    """A 64-bit hash as JSON text: decimal, as kvctl prints it (a JS number loses digits)."""
+    return str(h)
+
+
+class SeekableLog:
+    """The records of one log and states kept along it; offsets from ``start`` to ``last``."""
+
+    def __init__(self, state: CacheState, records: Iterable[LogRecord], keep_every: int = 1000) -> None:
+        """Apply ``records`` to ``state`` (the state they follow, which the source may restore
+        in place at a gap), keeping a copy every ``keep_every`` records."""
+        if keep_every <= 0:
+            raise ValueError(f"keep_every must be > 0, got {keep_every}")
+        self.start = state.offset
+        self.records: list[LogRecord] = []
+        # (records applied, the state then), in order: where a rebuild starts.
+        self._kept: list[tuple[int, Snapshot]] = [(0, state.export())]
+        since = 0
+        totals: list[tuple[int, int, int]] = []
+        for record in records:
+            if self.records and state.offset != self.records[-1].offset:  # restored at a gap
+                self._kept.append((len(self.records), state.export()))
+                since = 0
+            state.apply(record)
+            self.records.append(record)
+            since += 1
+            if since == keep_every:
+                self._kept.append((len(self.records), state.export()))
+                since = 0
+            per_medium: Counter[str] = Counter()
+            for (_s, medium, _g), n in state.counts().items():
+                per_medium[medium] += n
+            totals.append((record.offset, per_medium["GPU"], per_medium["CPU"]))
+        self.violations: list[Violation] = list(state.violations)
+        self.sources = state.sources()
+        self._offsets = [r.offset for r in self.records]
+        self._kept_at = [count for count, _ in self._kept]
+        self._overview = _downsample(totals, OVERVIEW_POINTS)
+
+    @property
+    def last(self) -> int:
+        return self._offsets[-1] if self._offsets else self.start
+
+    def check(self, offset: int) -> None:
+        """KvctlError unless ``offset`` is one the log can be rebuilt at."""
+        if offset > self.last:
+            raise KvctlError(f"offset {offset} is beyond the end of the log (last offset {self.last})")
+        if offset < self.start:
+            raise KvctlError(f"offset {offset} is before the log's start (the checkpoint at "
+                             f"offset {self.start})")
+
+    def state_at(self, offset: int) -> CacheState:
+        """The reducer's state after every record at or before ``offset``."""
+        self.check(offset)
+        count = bisect_right(self._offsets, offset)
+        from_count, snap = self._kept[bisect_right(self._kept_at, count) - 1]
+        state = CacheState.from_snapshot(snap)
+        for record in self.records[from_count:count]:
+            state.apply(record)
+        return state
+
+    def record_at(self, offset: int) -> LogRecord | None:
+        """The last record at or before ``offset`` (None before the first)."""
+        count = bisect_right(self._offsets, offset)
+        return self.records[count - 1] if count else None
+
+    # -- JSON for the page ----------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        first = self.records[0] if self.records else None
+        return {
+            "start": self.start,
+            "last": self.last,
+            "records": len(self.records),
+            "from_checkpoint": self.start > 0,
+            "t_first": None if first is None else first.ts,
+            "t_last": None if first is None else self.records[-1].ts,
+            "sources": self.sources,
+            "num_violations": len(self.violations),
+            "overview": [list(p) for p in self._overview],
+        }
+
+    def state_json(self, offset: int, chains_of: str | None = None) -> dict[str, Any]:
+        """Per source and tier: blocks and chains (the reducer's export: one BlockStored per
+        run of chained blocks); the record that led here; the violations so far; with
+        ``chains_of``, that source's chains, longest first."""
+        state = self.state_at(offset)
+        snap = state.export()
+        sources: list[dict[str, Any]] = []
+        totals = dict.fromkeys(MEDIA, 0)
+        for src in snap.sources:
+            chains: dict[tuple[Medium, int], list[BlockStored]] = {}
+            for event in src.events:
+                chains.setdefault((event.medium, event.group_idx), []).append(event)
+            tiers = []
+            for (medium, group), events in sorted(chains.items()):
+                n = len(state.blocks(src.source, medium, group))
+                totals[medium] += n
+                tiers.append({"medium": medium, "group_idx": group, "blocks": n,
+                              "chains": len(events),
+                              "longest_chain": max(len(e.block_hashes) for e in events)})
+            fence = state.fence(src.source)
+            sources.append({"source": src.source, "fence": list(fence) if fence else None,
+                            "tiers": tiers})
+        seen = [v for v in self.violations if v.offset <= offset]
+        out: dict[str, Any] = {
+            "offset": offset, "record": _record_json(self.record_at(offset)),
+            "sources": sources, "totals": totals, "num_violations": len(seen),
+            "violations": [_violation_json(v) for v in seen[-20:]],
+        }
+        if chains_of is not None:
+            out["chains"] = _chains_json(snap, chains_of, state)
+        return out
+
+    def diff_json(self, a: int, b: int) -> dict[str, Any]:
+        if a > b:
+            raise KvctlError(f"A ({a}) must not be after B ({b})")
+        changes = tier_changes(self.state_at(a), self.state_at(b))
+        rows = [
+            {"source": s, "medium": m, "group_idx": g, "added": len(add), "removed": len(rem),
+             "added_sample": [hash_text(h) for h in add[:SAMPLE_HASHES]],
+             "removed_sample": [hash_text(h) for h in rem[:SAMPLE_HASHES]]}
+            for (s, m, g), (add, rem) in changes.items()
+        ]
+        return {"from": a, "to": b, "changes": rows,
+                "added": sum(r["added"] for r in rows), "removed": sum(r["removed"] for r in rows)}
+
+
+def _chains_json(snap: Snapshot, source: str, state: CacheState) -> list[dict[str, Any]]:
+    match = [s for s in snap.sources if s.source == source]
+    if not match:
+        known = ", ".join(state.sources()) or "none"
+        raise KvctlError(f"no source {source!r} at offset {snap.offset} (known: {known})")
+    events = sorted(match[0].events, key=lambda e: -len(e.block_hashes))[:MAX_CHAINS]
+    return [{"medium": e.medium, "group_idx": e.group_idx, "blocks": len(e.block_hashes),
+             "first": hash_text(e.block_hashes[0]), "last": hash_text(e.block_hashes[-1]),
+             "parent": None if e.parent_block_hash is None else hash_text(e.parent_block_hash)}
+            for e in events]
+
+
+def _record_json(record: LogRecord | None) -> dict[str, Any] | None:
+    if record is None:
+        return None
+    events: list[dict[str, Any]] = []
+    for e in record.events:
+        kind = type(e).__name__
+        if isinstance(e, BlockStored | BlockRemoved):
+            events.append({"type": kind, "medium": e.medium, "group_idx": e.group_idx,
+                           "blocks": len(e.block_hashes)})
+        elif isinstance(e, AllBlocksCleared):
+            events.append({"type": kind, "medium": e.medium})
+    return {"offset": record.offset, "source": record.source, "incarnation": record.incarnation,
+            "source_seq": record.source_seq, "ts": record.ts, "events": events}
+
+
+def _violation_json(v: Violation) -> dict[str, Any]:
+    return {"offset": v.offset, "source": v.source, "kind": v.kind, "detail": v.detail}
+
+
+def _downsample(points: list[tuple[int, int, int]], n: int) -> list[tuple[int, int, int]]:
+    """At most about ``n`` points, always the last (where the slider starts)."""
+    if len(points) <= n:
+        return points
+    step = len(points) / n
+    picked = [points[int(i * step)] for i in range(n)]
+    if picked[-1] != points[-1]:
+        picked.append(points[-1])
+    return picked
