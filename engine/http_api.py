@@ -16,7 +16,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
-from starlette.exceptions import HTTPException
 
 from engine.engine_loop import EngineLoop, RequestStream
 from engine.errors import EngineError, InvalidRequest
@@ -29,6 +28,7 @@ from rpc.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    install_error_handlers,
     models_list,
     parse_body,
     sse,
@@ -42,7 +42,7 @@ MAX_REQUEST_ID_CHARS = 128
 def create_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate) -> FastAPI:
     app = FastAPI(title="kv-engine", summary="OpenAI-compatible API of a kvoffload engine",
                   docs_url=None, redoc_url=None)
-    _errors(app)
+    install_error_handlers(app)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -77,19 +77,6 @@ def create_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate) -
     return app
 
 
-def _errors(app: FastAPI) -> None:
-    async def openai_error(_request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, OpenAIError)
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    async def http_error(_request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(OpenAIError(exc.status_code, str(exc.detail), kind).body(),
-                            status_code=exc.status_code)
-
-    app.add_exception_handler(OpenAIError, openai_error)
-    app.add_exception_handler(HTTPException, http_error)
 
 
 def _check_model(asked: str | None, served: str) -> None:

@@ -13,7 +13,10 @@ import json
 import time
 from typing import Any, Final, TypeVar
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 
 SSE_DONE: Final = b"data: [DONE]\n\n"
 REQUEST_ID_HEADER: Final = "x-request-id"
@@ -161,3 +164,20 @@ def models_list(names: list[str]) -> dict[str, Any]:
     now = int(time.time())
     return {"object": "list", "data": [
         {"id": n, "object": "model", "created": now, "owned_by": "kvoffload"} for n in names]}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """OpenAIError, and FastAPI's own errors (unknown path, wrong method), in OpenAI's shape."""
+
+    async def openai_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, OpenAIError)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def http_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(OpenAIError(exc.status_code, str(exc.detail), kind).body(),
+                            status_code=exc.status_code)
+
+    app.add_exception_handler(OpenAIError, openai_error)
+    app.add_exception_handler(HTTPException, http_error)

@@ -1,0 +1,1 @@
+"""kv-router: routes requests to the engine where their prefix is cached; OpenAI HTTP front door."""

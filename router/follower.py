@@ -1,0 +1,89 @@
+"""The router's view of the cache: it follows kv-bridge with the subscriber library (snapshot
+bootstrap, live stream, gap fill) on a thread of its own, and counts the block-event rate.
+
+Readers take :meth:`reading` (the subscriber's lock) around any use of the state, which the
+follower thread replaces on a (re-)bootstrap.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+from events.codec_vllm import WireBatch
+from events.state import CacheState
+from events.subscriber import KvEventSubscriber, SubscriberError
+
+log = logging.getLogger("kv-router")
+
+RATE_WINDOW_S = 5.0
+
+
+class Follower:
+    def __init__(self, pub: str, replay: str, topic: str, *, retry_s: float = 1.0) -> None:
+        self.sub = KvEventSubscriber(pub, replay, topic)
+        self.sub.on_batch(self._count)
+        self._retry_s = retry_s
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._thread = threading.Thread(target=self._run, name="follower", daemon=True)
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._ready.wait(timeout_s)
+
+    def start(self) -> Follower:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self.sub.close()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[CacheState | None]:
+        """The state under the subscriber's lock; None until the first bootstrap."""
+        with self.sub.lock:
+            yield self.sub.state if self._ready.is_set() else None
+
+    def event_rate(self) -> float:
+        """Block events per second seen on the stream over the last few seconds."""
+        now = time.monotonic()
+        with self.sub.lock:
+            while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / RATE_WINDOW_S
+
+    def _count(self, _seq: int, batch: WireBatch) -> None:
+        blocks = sum(len(getattr(e, "block_hashes", ())) or 1 for e in batch.events)
+        self._recent.append((time.monotonic(), blocks))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sub.bootstrap()
+                break
+            except SubscriberError as exc:
+                log.warning("bridge snapshot failed (%s); retrying in %.1fs", exc, self._retry_s)
+                self._stop.wait(self._retry_s)
+        else:
+            return
+        log.info("following the bridge from seq %s", self.sub.next_seq)
+        self._ready.set()
+        while not self._stop.is_set():
+            try:
+                self.sub.poll(100)
+            except Exception:  # a bug in decoding must not end the router's view silently
+                log.exception("following the bridge failed; re-bootstrapping")
+                self._stop.wait(self._retry_s)
+                with contextlib.suppress(SubscriberError):
+                    self.sub.bootstrap()

@@ -1,0 +1,239 @@
+"""The router's work per request: tokenize and hash the prompt once, choose an engine, forward
+the request, retry elsewhere while nothing has reached the client, and compare the cached
+prefix the engine reports with the predicted one (router.truth)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+from fastapi.responses import Response, StreamingResponse
+
+from events.hashing import BlockHasher, to_wire
+from events.prompt import (
+    ChatMessage,
+    ChatTemplate,
+    PromptError,
+    PromptTokenizer,
+    load_chat_template,
+)
+from events.schema import BlockHash
+from router.config import RouterConfig
+from router.fleet import EngineState, Fleet
+from router.follower import Follower
+from router.policy import Chooser, Decision, prefix_run
+from router.sse import SseEvent, sse_events
+from router.truth import Truth
+from rpc.openai_protocol import (
+    REQUEST_ID_HEADER,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    cached_from_usage,
+    sse,
+)
+
+log = logging.getLogger("kv-router")
+
+
+class EngineFailed(Exception):
+    """The engine did not answer (network error or 5xx) before anything reached the client."""
+
+
+@dataclass
+class Timings:
+    """Decision times in seconds (tokenize + hash + choose), the most recent ones."""
+
+    recent: list[float] = field(default_factory=list)
+
+    def add(self, seconds: float) -> None:
+        self.recent.append(seconds)
+        if len(self.recent) > 10_000:
+            del self.recent[:5_000]
+
+
+class Router:
+    def __init__(self, config: RouterConfig, client: httpx2.AsyncClient, follower: Follower | None) -> None:
+        self.config = config
+        self.client = client
+        self.follower = follower
+        self.fleet = Fleet(config.engines, client, config.health_interval_s, config.health_timeout_s)
+        self.chooser = Chooser(config)
+        self.truth = Truth()
+        self.timings = Timings()
+        self.hasher = BlockHasher(config.hash_seed, config.block_size, config.hash_algo)
+        self.tokenizer = PromptTokenizer(config.model_dir) if config.model_dir else None
+        self.chat: ChatTemplate = load_chat_template(config.model_dir) if config.model_dir else ChatTemplate()
+        self.retries = 0
+        self._ids = itertools.count()
+        self._prefix = f"rt{os.getpid()}-{int(time.time())}"
+
+    # -- prompt -> hashes --------------------------------------------------------------------
+
+    def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if isinstance(req, ChatCompletionRequest):
+            try:
+                text: str | list[int] = self.chat.render([ChatMessage(m.role, m.text()) for m in req.messages])
+            except PromptError as exc:
+                raise OpenAIError(400, str(exc), param="messages") from exc
+        else:
+            text = req.single_prompt()
+        if isinstance(text, list):
+            return text
+        return self.tokenizer.encode(text) if self.tokenizer else list(text.encode("utf-8"))
+
+    def hashes(self, token_ids: list[int]) -> list[BlockHash]:
+        """The blocks an engine can reuse: every full block but the one holding the last token."""
+        bs = self.config.block_size
+        n = max(len(token_ids) - 1, 0) // bs
+        if n == 0 or any(t < 0 for t in token_ids[: n * bs]):
+            return []  # nothing to reuse, or ids the engine refuses anyway
+        return [to_wire(d) for d in self.hasher.hash_blocks(token_ids[: n * bs])]
+
+    def decide(self, hashes: list[BlockHash], tried: set[str]) -> Decision | None:
+        candidates = [e for e in self.fleet.healthy() if e.name not in tried]
+        if not candidates:
+            return None
+        if self.follower is None:
+            return self.chooser.choose(candidates, hashes, None)
+        with self.follower.reading() as state:
+            return self.chooser.choose(candidates, hashes, state)
+
+    def _predicted_now(self, engine: EngineState, hashes: list[BlockHash]) -> int:
+        if self.follower is None:
+            return 0
+        with self.follower.reading() as state:
+            if state is None:
+                return 0
+            g, c = prefix_run(state, hashes, engine)
+        return (g + c) * self.config.block_size
+
+    # -- forwarding --------------------------------------------------------------------------
+
+    async def route(self, path: str, body: dict[str, Any],
+                    req: CompletionRequest | ChatCompletionRequest) -> Response:
+        start = time.perf_counter()
+        hashes = self.hashes(self.prompt_ids(req))
+        wants_usage = req.include_usage
+        if req.stream:  # the router reads the engine's usage chunk; the client gets it if asked
+            body = {**body, "stream_options": {"include_usage": True}}
+        content = json.dumps(body).encode()
+        tried: set[str] = set()
+        errors: list[str] = []
+        first = True
+        for _attempt in range(self.config.max_attempts):
+            decision = self.decide(hashes, tried)
+            if decision is None:
+                break
+            if first:
+                self.timings.add(time.perf_counter() - start)
+                first = False
+            else:
+                self.retries += 1
+            engine = decision.engine
+            tried.add(engine.name)
+            rid = f"{self._prefix}-{next(self._ids)}"
+            predicted = (decision.gpu_blocks + decision.cpu_blocks) * self.config.block_size
+            entry = self.truth.decided(rid, engine.name, decision.reason, predicted)
+            engine.in_flight += 1
+            try:
+                if req.stream:
+                    return await self._stream(engine, path, content, rid, entry, hashes, wants_usage)
+                return await self._whole(engine, path, content, rid, entry, hashes)
+            except (httpx2.TransportError, EngineFailed) as exc:
+                engine.in_flight -= 1
+                why = f"{type(exc).__name__}: {exc}"
+                engine.take_out(why)
+                errors.append(f"{engine.name}: {why}")
+                entry["reason"] += " (failed, retried)" if len(tried) < self.config.max_attempts else " (failed)"
+        detail = "; ".join(errors) or "no engine is in rotation"
+        raise OpenAIError(503, f"no engine could take the request: {detail}", "service_unavailable")
+
+    def _headers(self, rid: str) -> dict[str, str]:
+        return {"content-type": "application/json", REQUEST_ID_HEADER: rid}
+
+    async def _whole(self, engine: EngineState, path: str, content: bytes, rid: str,
+                     entry: dict[str, Any], hashes: list[BlockHash]) -> Response:
+        resp = await self.client.post(engine.spec.url + path, content=content, headers=self._headers(rid),
+                                      timeout=self.config.request_timeout_s)
+        if resp.status_code >= 500:
+            raise EngineFailed(f"answered {resp.status_code}: {resp.text[:200]}")
+        engine.in_flight -= 1
+        if resp.status_code == 200:
+            self._report(engine, entry, hashes, _json(resp.content))
+        return Response(resp.content, resp.status_code, media_type="application/json")
+
+    async def _stream(self, engine: EngineState, path: str, content: bytes, rid: str,
+                      entry: dict[str, Any], hashes: list[BlockHash], wants_usage: bool) -> Response:
+        request = self.client.build_request("POST", engine.spec.url + path, content=content,
+                                            headers=self._headers(rid), timeout=self.config.request_timeout_s)
+        resp = await self.client.send(request, stream=True)
+        if resp.status_code != 200:
+            body = await resp.aread()
+            await resp.aclose()
+            if resp.status_code >= 500:
+                raise EngineFailed(f"answered {resp.status_code}: {body[:200]!r}")
+            engine.in_flight -= 1
+            return Response(body, resp.status_code, media_type="application/json")
+        events = sse_events(resp.aiter_bytes())
+        held: list[SseEvent] = []
+        try:  # hold what comes before the first output: the engine may still die in the prefill
+            async for ev in events:
+                held.append(ev)
+                if ev.carries_output:
+                    break
+            else:
+                raise EngineFailed("the stream ended before any output")
+        except BaseException:
+            await resp.aclose()
+            raise
+        return StreamingResponse(self._relay(engine, resp, events, held, entry, hashes, wants_usage),
+                                 media_type="text/event-stream")
+
+    async def _relay(self, engine: EngineState, resp: httpx2.Response, events: AsyncIterator[SseEvent],
+                     held: list[SseEvent], entry: dict[str, Any], hashes: list[BlockHash],
+                     wants_usage: bool) -> AsyncIterator[bytes]:
+        try:
+            for ev in held:
+                if self._pass(engine, ev, entry, hashes, wants_usage):
+                    yield ev.raw
+            async for ev in events:
+                if self._pass(engine, ev, entry, hashes, wants_usage):
+                    yield ev.raw
+        except httpx2.TransportError as exc:  # tokens already went out: say so, in OpenAI's shape
+            engine.take_out(f"stream broke: {exc}")
+            yield sse(OpenAIError(502, f"engine {engine.name} failed mid-stream: {exc}", "engine_error").body())
+        finally:
+            engine.in_flight -= 1
+            await resp.aclose()
+
+    def _pass(self, engine: EngineState, ev: SseEvent, entry: dict[str, Any], hashes: list[BlockHash],
+              wants_usage: bool) -> bool:
+        if isinstance(ev.data, dict) and ev.data.get("usage"):
+            self._report(engine, entry, hashes, ev.data)
+        return wants_usage or not ev.is_usage_only
+
+    def _report(self, engine: EngineState, entry: dict[str, Any], hashes: list[BlockHash], body: Any) -> None:
+        got = cached_from_usage(body)
+        if got is None:
+            return
+        prompt_tokens, gpu, cpu = got
+        engine.report(prompt_tokens, gpu, cpu)
+        outcome = self.truth.reported(entry, gpu + cpu, self._predicted_now(engine, hashes))
+        if outcome != "agree":
+            log.info("prediction %s for %s on %s: predicted %s cached tokens, engine reused %d",
+                     outcome, entry["request_id"], engine.name, entry["predicted_cached_tokens"], gpu + cpu)
+
+
+def _json(content: bytes) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError:
+        return None

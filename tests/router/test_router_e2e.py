@@ -1,0 +1,167 @@
+"""kv-router in front of two real engines, end to end: Redis, offloadd and kv-bridge as
+subprocesses, two ``kv-engine serve --http-port`` processes on a tiny random model publishing
+their KV events through the daemon, the router following the bridge; the official ``openai``
+client talks to the router only."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from engine.model.checkpoint import TinyModelSpec, write_tiny_model
+from tests.router.procs import Proc, engine, get_json, router
+from tests.support.bridge_proc import BridgeProcess
+from tests.support.offloadd_proc import DaemonProcess
+from tests.support.redis_proc import RedisProcess
+
+DOC = "Document 7. The router sends each request to the engine that holds its prefix. " * 3
+
+
+@dataclass
+class Fleet:
+    engines: list[Proc]
+    router: Proc
+    workdir: Path
+    bridge: BridgeProcess
+    holder: dict[str, str] = field(default_factory=dict)
+
+    def client(self, proc: Proc | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{(proc or self.router).url}/v1", api_key="none", max_retries=0)
+
+    def status(self, proc: Proc | None = None) -> dict[str, Any]:
+        return get_json(f"{(proc or self.router).url}/status")[1]
+
+    def wait_gpu_blocks(self, name: str, at_least: int, proc: Proc | None = None) -> None:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            blocks = {e["name"]: e["gpu_blocks"] for e in self.status(proc)["engines"]}
+            if blocks[name] >= at_least:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"the router never saw {at_least} GPU blocks of {name}: {self.status(proc)}")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    work = tmp_path_factory.mktemp("router-e2e")
+    model = write_tiny_model(work / "model", TinyModelSpec())
+    redis = RedisProcess(work / "redis")
+    redis.start()
+    daemon = DaemonProcess(work / "offloadd", redis.url, capacity_bytes=8 << 20)
+    bridge = BridgeProcess(redis.url, work / "bridge", namespace="test")
+    procs: list[Proc] = []
+    try:
+        daemon.start()
+        bridge.start()
+        procs = [engine(work, f"e{i}", model, daemon.target) for i in range(2)]
+        for p in procs:
+            p.start()
+        front = router(work, procs, f"--bridge-pub={bridge.pub}", f"--bridge-replay={bridge.replay}",
+                       f"--model={model}")
+        procs.append(front.start())
+        yield Fleet(procs[:2], front, work, bridge)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        bridge.stop()
+        daemon.stop()
+        redis.stop()
+
+
+def _complete(client: openai.OpenAI, prompt: str, **kw: Any) -> Any:
+    return client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True}, **kw)
+
+
+def test_a_shared_prefix_goes_where_it_is_cached(fleet: Fleet) -> None:
+    client = fleet.client()
+    first = _complete(client, DOC + "Question: what is it?")
+    d1 = fleet.status()["decisions"][-1]
+    assert d1["reason"] == "no_prefix" and d1["predicted_cached_tokens"] == 0 and d1["cached_tokens"] == 0
+    holder = fleet.holder["doc"] = d1["engine"]
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    fleet.wait_gpu_blocks(holder, (len(DOC) + 21) // 16)
+    for question in ("Question: who wrote it?", "Question: why?"):
+        again = _complete(client, DOC + question)
+        d = fleet.status()["decisions"][-1]
+        assert (d["engine"], d["reason"]) == (holder, "gpu_prefix"), d
+        cached = again.usage.prompt_tokens_details.cached_tokens
+        assert cached >= len(DOC) // 16 * 16 - 16 and d["predicted_cached_tokens"] == d["cached_tokens"] == cached
+    other = _complete(client, "Something else entirely, with no shared prefix at all, none.")
+    d = fleet.status()["decisions"][-1]
+    assert d["reason"] == "no_prefix" and other.usage.prompt_tokens_details.cached_tokens == 0
+    status = fleet.status()
+    assert status["policy"] == "kv" and status["event_rate"] >= 0
+    by_name = {e["name"]: e for e in status["engines"]}
+    assert by_name[holder]["gpu_hit_tokens"] >= 2 * (len(DOC) // 16 * 16 - 16)
+    assert all(e["healthy"] for e in status["engines"])
+    code, page_data = get_json(f"{fleet.router.url}/api/fleet")  # the fleet page's feed (router.page)
+    assert code == 200 and {e["name"] for e in page_data["engines"]} == {"e0", "e1"}
+
+
+def test_chat_and_streaming_through_the_router(fleet: Fleet) -> None:
+    client = fleet.client()
+    messages: list[Any] = [{"role": "user", "content": DOC}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert all(c.usage is None for c in chunks)  # not asked for: the router keeps it to itself
+    d = fleet.status()["decisions"][-1]
+    assert d["cached_tokens"] is not None and d["cached_tokens"] == d["predicted_cached_tokens"]
+    with_usage = list(client.completions.create(model="tiny", prompt=DOC, max_tokens=3, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+    assert with_usage[-1].usage is not None and with_usage[-1].usage.completion_tokens == 3
+
+
+def test_errors_come_back_in_openai_shape(fleet: Fleet) -> None:
+    client = fleet.client()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="too long"):  # the engine's 400, not retried
+        _complete(client, "z" * 3000)
+    with pytest.raises(openai.BadRequestError, match="one prompt"):
+        client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=1)
+    req = urllib.request.Request(f"{fleet.router.url}/v1/chat/completions", data=b"{oops",
+                                 headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=5)
+    assert err.value.code == 400
+    assert set(__import__("json").loads(err.value.read())["error"]) == {"message", "type", "param", "code"}
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    metrics = urllib.request.urlopen(f"{fleet.router.url}/metrics", timeout=5).read().decode()
+    assert 'kv_router_decisions_total{engine="' in metrics and 'reason="gpu_prefix"' in metrics
+    assert "kv_router_prediction_agreement" in metrics and "kv_router_engine_in_flight" in metrics
+
+
+def test_a_dead_engine_is_taken_out_and_its_request_retried(fleet: Fleet) -> None:
+    holder = fleet.holder.get("doc") or pytest.skip("needs the first test's prefix")
+    # A router of its own whose health checks would not notice in time: the request must.
+    slow = router(fleet.workdir / "slow", fleet.engines, f"--bridge-pub={fleet.bridge.pub}",
+                  f"--bridge-replay={fleet.bridge.replay}", "--health-interval-s=60").start()
+    try:
+        fleet.wait_gpu_blocks(holder, 1, slow)
+        dead = next(e for e in fleet.engines if e.name == holder)
+        alive = next(e for e in fleet.engines if e.name != holder)
+        dead.stop(kill=True)
+        out = _complete(fleet.client(slow), DOC + "Question: still there?")
+        assert out.choices[0].finish_reason == "length"
+        decisions = fleet.status(slow)["decisions"]
+        assert decisions[-2]["engine"] == holder and decisions[-2]["reason"].endswith("(failed, retried)")
+        assert decisions[-1]["engine"] == alive.name and decisions[-1]["cached_tokens"] is not None
+        assert {e["name"]: e["healthy"] for e in fleet.status(slow)["engines"]}[holder] is False
+        alive.stop()
+        with pytest.raises(openai.APIStatusError) as err:
+            _complete(fleet.client(slow), "nobody home")
+        assert err.value.status_code == 503 and "no engine" in str(err.value.message)
+    finally:
+        slow.stop()
