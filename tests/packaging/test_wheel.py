@@ -101,8 +101,9 @@ def test_wheel_holds_every_module_and_the_protos(wheel: Path, source: Path) -> N
     names = set(zipfile.ZipFile(wheel).namelist())
     include = {p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
     want = set()
+    data = PYPROJECT["tool"]["setuptools"].get("package-data", {})
     for f in (Path(p) for p in _source_files()):
-        if f.parts[0] in include and f.suffix == ".py":
+        if f.parts[0] in include and (f.suffix == ".py" or _is_package_data(f, data)):
             want.add(f.as_posix())
         elif f.parts[:2] == ("proto", "kvcache") and f.suffix in (".py", ".proto", ".pyi"):
             want.add(Path(*f.parts[1:]).as_posix())
@@ -114,6 +115,15 @@ def test_wheel_holds_every_module_and_the_protos(wheel: Path, source: Path) -> N
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     for name, target in SCRIPTS.items():
         assert f"{name} = {target}" in text
+
+
+def _is_package_data(f: Path, data: dict[str, list[str]]) -> bool:
+    """Whether pyproject's package-data ships ``f`` (a path in the tree, outside proto/)."""
+    for package, globs in data.items():
+        base = Path(*package.split("."))
+        if f.is_relative_to(base) and any(f.relative_to(base).match(g) for g in globs):
+            return True
+    return False
 
 
 def test_base_install_runs_without_torch(venv: Venv) -> None:
