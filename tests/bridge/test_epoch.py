@@ -13,15 +13,19 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import redis
+import zmq
 
 from events.codec_vllm import WireBatch
 from events.logkeys import LogKeys
 from events.schema import AllBlocksCleared, BlockStored
 from events.state import CacheState
 from events.subscriber import KvEventSubscriber
+from tests.events.vllm_schema import LegacyBatch
 from tests.support.bridge_proc import BridgeProcess, LogWriter
+from tests.support.redis_proc import free_port
 
 
 @pytest.fixture
@@ -96,4 +100,52 @@ def test_new_epoch_is_signalled_and_seqs_continue(
         assert seen[-1][0] == 10 and sub.stats.lost == 0
     finally:
         sub.close()
+        bridge.stop()
+
+
+def test_new_epoch_on_the_legacy_pair(client: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    """--legacy-pub: the clear batches of a new epoch go out in the legacy layout too, live and
+    in replay, under the same seqs as on the map-layout pair."""
+    ns = "ep" + uuid.uuid4().hex[:8]
+    keys = LogKeys(ns)
+    client.set(keys.epoch, "old")
+    writer = LogWriter(client, ns)
+    for i in range(3):
+        writer.append(f"e{i % 2}", [_stored(100 + i)])
+    legacy_pub, legacy_replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    bridge = BridgeProcess(redis_url, tmp_path / "b", "--start", "beginning", "--legacy-pub",
+                           legacy_pub, "--legacy-replay", legacy_replay, namespace=ns)
+    bridge.start()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+        sub.connect(legacy_pub)
+        time.sleep(0.3)  # joined before the epoch changes
+        client.delete(keys.log, keys.head, keys.epoch)
+        assert _wait(lambda: bridge.health()[0] == 503, 5)
+        client.set(keys.epoch, "new")
+        LogWriter(client, ns).append("e1", [_stored(200)], source_seq=1)
+        live = []
+        while len(live) < 3:
+            assert sub.poll(5000), f"only {len(live)} legacy batches arrived"
+            live.append(sub.recv_multipart())
+        decode = msgspec.msgpack.Decoder(LegacyBatch).decode
+        assert [int.from_bytes(f[1], "big") for f in live] == [3, 4, 5]
+        assert [type(e).__name__ for f in live for e in decode(f[2]).events] == [
+            "LAllBlocksCleared", "LAllBlocksCleared", "LBlockStored"]
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(legacy_replay)
+        dealer.send_multipart([b"", (2).to_bytes(8, "big")])
+        replayed = []
+        while True:
+            assert dealer.poll(5000)
+            frames = dealer.recv_multipart()
+            if frames[3] == b"":
+                break
+            replayed.append((int.from_bytes(frames[2], "big"), decode(frames[3]).events))
+        assert [s for s, _ in replayed] == [3, 4, 5]  # seq 2 was the old log's: the clears first
+        assert [e for _, ev in replayed for e in ev] == [e for f in live for e in decode(f[2]).events]
+    finally:
+        ctx.destroy(linger=0)
         bridge.stop()
