@@ -179,6 +179,12 @@ def test_per_source_topics_on_one_socket(
             assert error.startswith(b"error: ")
         assert b"4th request frame" in error or b"kv@nobody" in error
         assert 'kvbridge_replay_requests_total{kind="unknown_topic"} 3.0' in bridge.metrics()
+        req = ctx.socket(zmq.REQ)  # as vLLM's clients: one frame, the first reply only
+        req.connect(bridge.replay)
+        req.send((0).to_bytes(8, "big"))
+        assert req.poll(5000)
+        _error, seq_frame, payload = req.recv_multipart()
+        assert (seq_frame, payload) == (b"\xff" * 8, b"")  # vLLM's END_SEQ: the client ends
         with KvEventSubscriber(bridge.pub, bridge.replay, "kv@a") as sub, \
                 pytest.raises(SubscriberError, match="--default-source"):
             sub.replay_from(0)  # our subscriber sends vLLM's 3 frames: the error is raised
