@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -228,3 +229,41 @@ def test_kvctl_web_bad_input_is_one_line(
         assert "--port must be in 0..65535" in capsys.readouterr().err
     finally:
         busy.close()
+
+
+def _get(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        body: dict[str, Any] = json.loads(resp.read())
+        return body
+
+
+def test_kvctl_web_on_the_redis_log_shows_what_the_recording_shows(
+    recording: Recording, redis_server: RedisProcess,
+) -> None:
+    """The same run read from the daemon's log in Redis (fenced) has the recording's tiers at
+    the recording's last offset, and after it the engines' goodbyes (their GPU tiers cleared)."""
+    recorded_last = recording.records[-1].offset
+    views = []
+    for log in (str(recording.path), redis_server.url):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvctl", "web", log, "--namespace", NAMESPACE, "--port", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        try:
+            assert proc.stdout is not None
+            proc.stdout.readline()
+            url = proc.stdout.readline().split()[2]
+            views.append((_get(url + "api/log"), _get(f"{url}api/state?at={recorded_last}"),
+                          _get(f"{url}api/state?at={_get(url + 'api/log')['last']}")))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=15) == 0
+
+    def tiers(state: dict[str, Any]) -> dict[str, Any]:
+        return {s["source"]: s["tiers"] for s in state["sources"]}
+
+    (_, from_file, _), (redis_log, from_redis, redis_end) = views
+    assert tiers(from_file) == tiers(from_redis) and tiers(from_file)
+    fences = {s["source"]: s["fence"] for s in from_redis["sources"]}
+    assert fences["engine-a"] == [2, 25]  # the log's fence: incarnation 2, its 25 batches
+    assert redis_log["last"] > recorded_last
+    assert tiers(redis_end)["engine-a"] == [] and tiers(redis_end)["engine-b"] == []
