@@ -230,15 +230,24 @@ class CacheState:
         Raises SchemaError on an invalid event (snapshots come from a trusted export).
         """
         state = cls()
-        state._offset = snap.offset
+        state.restore(snap)
+        return state
+
+    def restore(self, snap: Snapshot) -> None:
+        """Become the state of ``snap`` in place (for holders shared by others: the daemon's
+        one state, a reader jumping over a gap to a checkpoint). The violations found so far
+        are kept: they are history, not state. SchemaError on an invalid event, and then this
+        state is unchanged."""
+        tiers_of: dict[str, dict[TierKey, Tier]] = {}
+        fences: dict[str, tuple[int, int]] = {}
         for src in snap.sources:
-            tiers = state._tiers.setdefault(src.source, {})
+            tiers = tiers_of.setdefault(src.source, {})
             if src.incarnation != 0:
-                state._fences[src.source] = (src.incarnation, src.last_seq)
+                fences[src.source] = (src.incarnation, src.last_seq)
             for event in src.events:
                 validate_event(event)
                 store(tiers.setdefault((event.medium, event.group_idx), {}), event)
-        return state
+        self._offset, self._tiers, self._fences = snap.offset, tiers_of, fences
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CacheState):

@@ -60,7 +60,7 @@ from events.checkpoint import (
     unusable,
 )
 from events.schema import SchemaError
-from events.state import CacheState, Snapshot
+from events.state import Snapshot
 from offloadd.config import OffloaddConfig
 from offloadd.errors import ForeignData, OffloaddError
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
@@ -164,14 +164,6 @@ async def load(md: MetadataStore, ckpt_id: str) -> tuple[Manifest, Snapshot]:
     return manifest, decode_snapshot(manifest, datas)
 
 
-def _load_into(state: CacheState, snap: Snapshot) -> None:
-    """Make ``state`` (shared by the store, ingest and metrics) the snapshot's state."""
-    fresh = CacheState.from_snapshot(snap)
-    # In place: every part of the daemon holds this one object. CacheState has no in-place
-    # restore of its own (events/state.py), so its fields are taken over from the fresh one.
-    vars(state).update(vars(fresh))
-
-
 async def restore(md: MetadataStore) -> Manifest | None:
     """Load the newest usable checkpoint into ``md.state`` (module docstring); None when the
     whole log is to be replayed. CheckpointMissing when neither is possible."""
@@ -189,7 +181,7 @@ async def restore(md: MetadataStore) -> Manifest | None:
             log.error("checkpoint %s is %s; not used", ckpt_id, problem)
             continue
         try:
-            _load_into(md.state, snap)
+            md.state.restore(snap)  # in place: the store, ingest and metrics hold this one state
         except SchemaError as exc:
             log.error("checkpoint %s holds an invalid event (%s); trying an older one", ckpt_id, exc)
             continue

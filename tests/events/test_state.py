@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 
-from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event, LogRecord
+import pytest
+
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event, LogRecord, SchemaError
 from events.state import (
     ApplyResult,
     BlockEntry,
@@ -221,3 +223,19 @@ def test_apply_100k_blocks_well_under_a_second() -> None:
     elapsed = time.perf_counter() - start
     assert st.counts() == {("e1", "GPU", 0): 100_000} and st.violations == []
     assert elapsed < 0.8, f"applying 100k blocks took {elapsed:.3f}s"
+
+
+def test_restore_replaces_the_state_in_place_and_keeps_the_violations() -> None:
+    state = CacheState()
+    state.apply(LogRecord(1, "a", 1, 1, 0.0, (BlockRemoved((9,), "GPU"),)))  # a violation
+    other = CacheState()
+    other.apply(LogRecord(1, "b", 4, 7, 0.0, (BlockStored((5, 6), None, (1, 2, 3, 4), 2, "CPU"),)))
+    snap = other.export()
+    held = state
+    state.restore(snap)
+    assert held is state and state == other and state.offset == 1 and state.fence("b") == (4, 7)
+    assert [v.kind for v in state.violations] == ["unknown_block_removed"]
+    bad = Snapshot(3, (SourceSnapshot("c", 1, 1, (BlockStored((1,), None, (1,), 2, "GPU"),)),))
+    with pytest.raises(SchemaError):
+        state.restore(bad)  # one token for a block of two
+    assert state == other and state.offset == 1
