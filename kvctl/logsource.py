@@ -1,10 +1,12 @@
-"""Where kvctl reads log records from: a JSON-lines file (``kvctl record``, exports) or the live
-log in Redis (``redis://...`` with ``--namespace``). kvctl is an entry point, so it may create
-the Redis client (DESIGN.md 5); the import is lazy so file-only use needs no Redis.
+"""Where kvctl reads log records from: a JSON-lines file (``kvctl record``, exports), an
+archive directory (``kvctl record --follow``) or the live log in Redis (``redis://...`` with
+``--namespace``), an archive and the live log together with ``--archive``. kvctl is an entry
+point, so it may create the Redis client (DESIGN.md 5); the import is lazy so file-only use
+needs no Redis.
 
-The daemon trims the Redis log behind its checkpoints (DESIGN.md 3.5): :func:`open_log` reads a
-trimmed log as its newest usable checkpoint (events.checkpoint) plus the records after it, and
-:func:`iter_records` only the retained records.
+The daemon trims the Redis log behind its checkpoints (DESIGN.md 3.5): :func:`open_log` reads
+archive and log as one timeline (kvctl.history) that starts at offset 0 or a checkpoint, and
+:func:`iter_records` only the records a file or the Redis log holds.
 """
 
 from __future__ import annotations
@@ -13,22 +15,24 @@ import argparse
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-from events.checkpoint import Manifest, candidates
+from events.checkpoint import candidates
 from events.codec_jsonl import load_records
 from events.logkeys import LogKeys
 from events.logreader import LogReader, LogUnavailable
 from events.schema import LogRecord
-from events.state import CacheState, Snapshot
+from kvctl.archive import Archive
 from kvctl.errors import KvctlError
+from kvctl.history import Base, LogView, Piece, RedisRecords, archive_part, plan
 from kvctl.progress import Progress
 
 
 def add_source_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("log", metavar="FILE|redis://HOST:PORT/DB", help="a recorded file or a Redis URL")
+    p.add_argument("log", metavar="FILE|redis://HOST:PORT/DB", help="a recorded file, an archive directory or a Redis URL")
     p.add_argument("--namespace", default="default", help="deployment namespace in Redis")
+    p.add_argument("--archive", metavar="DIR", help="an archive from 'kvctl record --follow', read "
+                   "first: the archive up to its last record, then the live log (one timeline)")
     p.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None,
         help="progress line on stderr (default: when stderr is a terminal)",
@@ -37,24 +41,6 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
 
 def is_redis(spec: str) -> bool:
     return spec.startswith(("redis://", "rediss://", "unix://"))
-
-
-@dataclass
-class LogView:
-    """A log as a starting state and the records after it."""
-
-    records: Iterator[LogRecord]
-    base: Snapshot | None = None  # the checkpoint the records follow (None: offset 0)
-    manifest: Manifest | None = None
-
-    def state(self) -> CacheState:
-        """The state the records apply to (SchemaError on a checkpoint's invalid event)."""
-        return CacheState() if self.base is None else CacheState.from_snapshot(self.base)
-
-    @property
-    def note(self) -> str:
-        """What the output says about where the state started ('' from offset 1)."""
-        return "" if self.base is None else f"from checkpoint at offset {self.base.offset}"
 
 
 def iter_records(
@@ -69,55 +55,77 @@ def iter_records(
         yield from _from_file(args.log, until_offset, label, progress_flag)
 
 
-def open_log(args: argparse.Namespace, until_offset: int | None = None, label: str = "reading") -> LogView:
-    """:func:`iter_records`, but a trimmed Redis log starts from its newest usable checkpoint
-    at or before ``until_offset``; KvctlError when none is (naming the oldest offset that can
-    be rebuilt)."""
-    if not is_redis(args.log):
-        return LogView(iter_records(args, until_offset, label))
-    with _client(args.log) as client:
-        manifest, base = redis_base(client, _keys(args.namespace), args.log, until_offset)
+def archive_dir(args: argparse.Namespace) -> str | None:
+    """The archive to read: ``--archive``, or the log argument when it is a directory."""
+    given: str | None = getattr(args, "archive", None)
+    if given is not None:
+        return given
+    return args.log if os.path.isdir(args.log) else None
+
+
+def open_log(
+    args: argparse.Namespace, until_offset: int | None = None, label: str = "reading",
+    earliest: bool = False, live: RedisRecords | None = None, lenient: bool = False,
+) -> LogView:
+    """The log of ``args`` as one timeline (kvctl.history): an archive (``--archive`` or a
+    directory) and/or the live Redis log, or a file. The state starts from the newest start
+    (offset 0 or a checkpoint) at or before ``until_offset``, or with ``earliest`` the oldest one
+    from which the end can be reached; KvctlError when none can (naming the oldest offset that
+    can be rebuilt). ``live`` replaces the reader of the Redis log's records (verify reads
+    every entry); with ``lenient`` a timeline that cannot be rebuilt is read from the empty state
+    (kvctl.history.plan)."""
+    where = archive_dir(args)
+    if not is_redis(args.log) and where is None:
+        return LogView(Base(0), [], None, plain=iter_records(args, until_offset, label))
+    pieces: list[Piece] = []
+    bases: list[Base] = []
+    archive = Archive.open(where) if where is not None else None
+    redis_records: RedisRecords | None = None
     progress_flag: bool | None = getattr(args, "progress", None)
-    after = 0 if manifest is None else manifest.offset
-    records = _from_redis(args.log, args.namespace, until_offset, label, progress_flag, after)
-    return LogView(records, base, manifest)
+    if is_redis(args.log):
+        keys = _keys(args.namespace)
+        with _client(args.log) as client:
+            try:
+                epoch = log_epoch(client, keys)
+            except LogUnavailable as exc:
+                raise KvctlError(f"cannot read the log at {args.log}: {exc}") from None
+            if archive is not None:
+                pieces, bases = archive_part(archive, epoch, live=True)
+            after = max((p.hi for p in pieces), default=0)
+            piece, checkpoints = redis_part(client, keys, args.log, epoch, after)
+        pieces += [piece] if piece is not None else []
+        bases += checkpoints
+
+        def from_redis(after: int, until: int) -> Iterator[LogRecord]:
+            return _from_redis(args.log, args.namespace, until, label, progress_flag, after, epoch)
+
+        redis_records = live or from_redis
+    elif archive is not None:
+        pieces, bases = archive_part(archive, None, live=False)
+    return plan(pieces, bases, until_offset, earliest, redis_records, lenient)
 
 
-def redis_base(
-    client: Any, keys: LogKeys, url: str, until: int | None = None,
-) -> tuple[Manifest | None, Snapshot | None]:
-    """The newest usable checkpoint (at or before ``until``) of a trimmed log; (None, None)
-    when the log starts at offset 1, or when it is trimmed, no checkpoint is usable and no
-    offset is asked for (the retained records are all there is)."""
-    import redis  # lazy, as in _from_redis
+def redis_part(client: Any, keys: LogKeys, url: str, epoch: str | None, after: int
+               ) -> tuple[Piece | None, list[Base]]:
+    """The piece of the live log after offset ``after`` (None: nothing) and its usable
+    checkpoints; unusable ones are named on stderr when the log needs them (it is trimmed)."""
+    import redis  # lazy: only the Redis source needs it
 
     transient = (redis.ConnectionError, redis.TimeoutError, OSError)
+    reader = LogReader(client, keys, transient)
     try:
-        first = LogReader(client, keys, transient).first_offset()
-        if first <= 1:
-            return None, None
-        epoch = log_epoch(client, keys)
-        usable = []
+        first, head = reader.first_offset(), reader.head()
+        bases = []
         for c in candidates(keys, lambda names: client.mget(names), epoch, first):
-            if c.manifest is None or c.snapshot is None:
+            if c.manifest is not None and c.snapshot is not None:
+                at = c.manifest.offset
+                bases.append(Base(at, f"checkpoint at offset {at}", c.snapshot, c.manifest.created_ts))
+            elif first > 1:
                 print(f"kvctl: checkpoint {c.ckpt_id} is unusable ({c.problem})", file=sys.stderr)
-            else:
-                usable.append((c.manifest, c.snapshot))
     except (*transient, LogUnavailable, redis.ResponseError) as exc:
         raise KvctlError(f"cannot read the log at {url}: {exc}") from None
-    fitting = [c for c in usable if until is None or c[0].offset <= until]
-    if fitting:
-        return fitting[0]
-    if until is None and not usable:
-        return None, None
-    archive = "; to rebuild older states, replay an archive written by 'kvctl record --follow'"
-    if not usable:
-        raise KvctlError(f"offset {until} cannot be rebuilt from {url}: the log starts at offset "
-                         f"{first} and no usable checkpoint covers the records before it{archive}")
-    oldest = min(m.offset for m, _ in usable)
-    raise KvctlError(f"offset {until} cannot be rebuilt from {url}: the log starts at offset {first} "
-                     f"and the oldest checkpoint is at offset {oldest}, the oldest offset it can "
-                     f"rebuild{archive}")
+    lo = max(first, after + 1)
+    return (Piece(lo, head) if first > 0 and head >= lo else None), bases
 
 
 def _keys(namespace: str) -> LogKeys:
@@ -179,7 +187,7 @@ def check_epoch(client: Any, keys: LogKeys, epoch: str | None) -> None:
 
 def _from_redis(
     url: str, namespace: str, until: int | None, label: str, progress_flag: bool | None,
-    after: int = 0,
+    after: int = 0, epoch: str | None = None,
 ) -> Iterator[LogRecord]:
     import redis  # lazy: only the Redis source needs it
 
@@ -188,7 +196,10 @@ def _from_redis(
     reader = LogReader(client, keys, (redis.ConnectionError, redis.TimeoutError, OSError))
     progress: Progress | None = None
     try:
-        epoch = log_epoch(client, keys)
+        if epoch is None:
+            epoch = log_epoch(client, keys)
+        else:
+            check_epoch(client, keys, epoch)  # still the log the timeline was planned on
         head = reader.head()
         total = head if until is None else min(head, until)
         progress = Progress(label, max(0, total - after), "records", progress_flag)

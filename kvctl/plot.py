@@ -8,9 +8,8 @@ from collections import Counter
 from typing import Any
 
 from events.schema import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored
-from events.state import CacheState
 from kvctl.errors import KvctlError
-from kvctl.logsource import add_source_args, iter_records
+from kvctl.logsource import add_source_args, open_log
 
 
 def register(subparsers: Any) -> None:
@@ -37,13 +36,14 @@ def run(args: argparse.Namespace) -> int:
         import matplotlib.pyplot as plt
     except ImportError:
         raise KvctlError("kvctl plot needs matplotlib: pip install 'kvoffload[plot]'") from None
-    state = CacheState()
+    view = open_log(args, label="plot", earliest=True)
+    state = view.state()
     times: list[float] = []
     tiers: dict[str, list[int]] = {m: [] for m in MEDIA}
     totals: Counter[str] = Counter()
     rate: Counter[int] = Counter()
     t0: float | None = None
-    for record in iter_records(args, label="plot"):
+    for record in view.records:
         t0 = record.ts if t0 is None else t0
         state.apply(record)
         for e in record.events:

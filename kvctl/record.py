@@ -1,4 +1,5 @@
-"""``kvctl record``: save a live KV-event stream (ours or any vLLM engine's) as JSON-lines records.
+"""``kvctl record``: save a live KV-event stream (ours or any vLLM engine's) as JSON-lines records,
+or with ``--log`` archive the durable log itself (kvctl.archiver).
 
 Each received batch becomes one :class:`LogRecord` with ``offset = seq + 1`` (so a recording of
 the bridge's mixed stream has the log's own offsets), ``incarnation`` 0 (unfenced) and the
@@ -18,6 +19,7 @@ from events.codec_jsonl import encode_record
 from events.codec_vllm import WireBatch
 from events.schema import LogRecord
 from events.subscriber import KvEventSubscriber, SubscriberError
+from kvctl import archiver
 from kvctl.errors import KvctlError
 
 
@@ -35,12 +37,26 @@ def add_stream_args(p: argparse.ArgumentParser) -> None:
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "record",
-        help="save the live event stream to a JSON-lines file",
+        help="save the live event stream to a JSON-lines file, or archive the log (--log)",
         description="Subscribe to a KV-event stream and write every batch as one log record per "
-        "line; gaps are filled from the replay socket. Stops on --count, --duration or Ctrl-C.",
+        "line; gaps are filled from the replay socket. Stops on --count, --duration or Ctrl-C. "
+        "With --log, archive the durable log in Redis instead: rotating files in the directory "
+        "-o names, resumable (run it again and it continues where it stopped), continuously "
+        "with --follow; 'kvctl replay/diff/verify/stats/plot --archive DIR' read the archive and "
+        "the live log as one timeline.",
     )
     add_stream_args(p)
-    p.add_argument("--out", "-o", required=True, metavar="FILE", help="output file ('-' = stdout)")
+    p.add_argument("--out", "-o", required=True, metavar="FILE|DIR",
+                   help="output file ('-' = stdout); with --log the archive directory")
+    archive = p.add_argument_group("archiving the log (--log)")
+    archive.add_argument("--log", metavar="redis://HOST:PORT/DB", help="archive this log")
+    archive.add_argument("--namespace", default="default", help="deployment namespace in Redis")
+    archive.add_argument("--follow", action="store_true",
+                         help="keep archiving new records until SIGTERM/Ctrl-C (or --duration)")
+    archive.add_argument("--rotate-records", type=int, default=1_000_000, metavar="N",
+                         help="start a new file after N records (default 1000000)")
+    archive.add_argument("--rotate-bytes", type=int, default=256 << 20, metavar="B",
+                         help="start a new file after B bytes (default 256 MiB)")
     p.set_defaults(handler=run)
 
 
@@ -77,6 +93,10 @@ def follow(args: argparse.Namespace, on_batch: Any) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.log:
+        return archiver.run(args)
+    if args.follow:
+        raise KvctlError("--follow archives the log: give --log redis://...")
     out: IO[str] = sys.stdout if args.out == "-" else open(args.out, "w")  # noqa: SIM115
     source_seqs: Counter[str] = Counter()
 

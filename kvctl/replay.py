@@ -1,7 +1,8 @@
 """``kvctl replay``: the cache state at an offset or a time, as a table or JSON.
 
 On a trimmed Redis log the state starts from the newest checkpoint at or before the offset asked
-for (kvctl.logsource.open_log) and the output says so."""
+for (kvctl.logsource.open_log; with --archive, archive and live log are one timeline) and the
+output says so."""
 
 from __future__ import annotations
 
@@ -65,10 +66,11 @@ def replayed(
     if at is not None and at < 0:
         raise KvctlError(f"--at must be >= 0, got {at}")
     view = open_log(args, at, label="replay")
-    if until_ts is not None and view.manifest is not None and until_ts < view.manifest.created_ts:
-        raise KvctlError(f"--until {fmt_ts(until_ts)} is before the checkpoint at offset "
-                         f"{view.manifest.offset} ({fmt_ts(view.manifest.created_ts)}) and the log "
-                         "before it was trimmed; replay an archive from 'kvctl record' for older states")
+    made = view.start.created_ts
+    if until_ts is not None and made is not None and until_ts < made:
+        raise KvctlError(f"--until {fmt_ts(until_ts)} is before the {view.start.what} "
+                         f"({fmt_ts(made)}) and the log before it was trimmed; replay an archive "
+                         "from 'kvctl record --follow' for older states")
     state = view.state()
     last_ts: float | None = None
     for record in view.records:

@@ -1,7 +1,8 @@
 """``kvctl stats``: counts over the log: records, events by type and tier, sources, rates.
 
-On a trimmed Redis log the counts are of the records after the newest checkpoint and the
-resident blocks start from it (kvctl.logsource.open_log); the output says so."""
+On a trimmed Redis log the counts are of the records after the oldest usable checkpoint and
+the resident blocks start from it (kvctl.logsource.open_log; with --archive, archive and live
+log are one timeline); the output says so, and names offsets in neither."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    view = open_log(args, label="stats")
+    view = open_log(args, label="stats", earliest=True)
     state = view.state()
     records, events = 0, Counter[str]()
     per_source: Counter[str] = Counter()
@@ -63,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     }
     if view.base is not None:
         out["from_checkpoint"] = view.base.offset
+    if view.gaps:
+        out["missing"] = [list(g) for g in view.gaps]
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -79,5 +82,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {key}: {n}")
         if not table:
             print("  (none)")
+    for lo, hi in view.gaps:
+        print(f"missing: offsets {lo}..{hi} (in neither the archive nor the live log)")
     print(f"violations: {out['violations']}")
     return 0

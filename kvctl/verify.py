@@ -3,9 +3,10 @@
 On a Redis log every stream entry is read, not only those up to the head key: an entry that is
 not a record (appended by hand, another tool) is reported by its entry ID and skipped, and a
 head key that disagrees with the last record is reported too (``kvctl repair`` fixes both). A
-log trimmed behind a checkpoint is verified from the newest usable checkpoint (its state, then
-the records after it; kvctl.logsource.redis_base) and the report says so; a trimmed log that no
-checkpoint covers is reported as ``trimmed``."""
+log trimmed behind a checkpoint is verified from the oldest usable checkpoint (its state, then
+the records after it; kvctl.logsource.open_log) and the report says so; a trimmed log that no
+checkpoint covers is reported as ``trimmed``. With ``--archive`` the archive and the live log
+are verified as one timeline; offsets in neither are reported as ``missing``."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from events.logkeys import LogKeys
 from events.logreader import LogReader, LogUnavailable, decode_stored
 from events.records import offset_of
 from events.schema import LogRecord, SchemaError
-from events.state import CacheState, Snapshot, Violation
+from events.state import CacheState, Violation
 from kvctl.errors import KvctlError
-from kvctl.logsource import add_source_args, is_redis, iter_records, redis_base
+from kvctl.logsource import add_source_args, is_redis, open_log
 
 EXPLAIN = {
     "log_gap": "log offsets are not contiguous",
@@ -31,7 +32,8 @@ EXPLAIN = {
     "orphan_child": "GPU BlockStored whose parent block is not resident",
     "invalid_event": "an event that breaks the schema",
     "undecodable": "a log entry that cannot be decoded",
-    "trimmed": "the log does not start at offset 1 (older records trimmed)",
+    "trimmed": "the log does not start at offset 1 and no checkpoint covers what is missing",
+    "missing": "offsets in neither the archive nor the live log (trimmed before archived)",
     "head_mismatch": "the head key does not name the last record",
 }
 
@@ -50,45 +52,36 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    base = _checkpoint(args) if is_redis(args.log) else None
-    state = CacheState() if base is None else CacheState.from_snapshot(base)
-    after = 0 if base is None else base.offset
     problems: list[Violation] = []
+    live = None
+    if is_redis(args.log):
+        def live(after: int, _until: int) -> Iterator[LogRecord]:
+            return _redis_records(args, problems, after)
+    view = open_log(args, label="verify", earliest=True, live=live, lenient=True)
+    state = view.state()
     first: int | None = None
     records = 0
-    source = _redis_records(args, problems, after) if is_redis(args.log) else iter_records(args, label="verify")
     try:
-        for record in source:
+        for record in view.records:
             if first is None:
                 first = record.offset
-                if first != 1 and base is None:
+                if first != view.start.offset + 1:
                     problems.append(Violation(first, record.source, "trimmed", f"first offset {first}"))
             state.apply(record)
             records += 1
     except SchemaError as exc:
         problems.append(Violation(state.offset + 1, "?", "undecodable", str(exc)))
     problems.extend(state.violations)
+    problems.extend(Violation(lo, "?", "missing", f"offsets {lo}..{hi}") for lo, hi in view.gaps)
     problems.sort(key=lambda v: v.offset)
-    note = "" if base is None else f"from checkpoint at offset {base.offset}"
     if args.json:
         report = _report_json(records, state, problems)
-        if base is not None:
-            report["from_checkpoint"] = base.offset
+        if view.base is not None:
+            report["from_checkpoint"] = view.start.offset
         print(json.dumps(report, indent=1))
     else:
-        print(_report_text(records, state, problems, args.limit) + (f" ({note})" if note else ""))
+        print(_report_text(records, state, problems, args.limit) + (f" ({view.note})" if view.note else ""))
     return 1 if problems else 0
-
-
-def _checkpoint(args: argparse.Namespace) -> Snapshot | None:
-    import redis  # lazy: only the Redis source needs it
-
-    try:
-        keys = LogKeys(args.namespace)
-    except ValueError as exc:
-        raise KvctlError(str(exc)) from None
-    with redis.Redis.from_url(args.log, socket_connect_timeout=3.0, socket_timeout=30.0) as client:
-        return redis_base(client, keys, args.log)[1]
 
 
 def _redis_records(

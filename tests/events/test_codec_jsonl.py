@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import io
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from events.codec_jsonl import decode_record, dump_records, encode_record, load_records
-from events.schema import AllBlocksCleared, BlockStored, LogRecord, SchemaError
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, LogRecord, SchemaError
 from tests.events.event_strategies import log_records
 
 
@@ -59,3 +60,23 @@ def test_errors_carry_line_numbers() -> None:
         list(load_records(io.StringIO(good + "\n{not json\n")))
     with pytest.raises(SchemaError, match=r"^line 1: Object missing required field `source`"):
         list(load_records(['{"offset": 1}']))
+
+
+def test_an_archive_header_is_read_first_and_skipped_by_load_records() -> None:
+    from events.codec_jsonl import ARCHIVE_VERSION, ArchiveHeader, encode_header, load_file
+    from events.state import Snapshot, SourceSnapshot
+
+    stored = BlockStored((7,), None, (1, 2), 2, "GPU", extra_keys=(("lora", 1),))
+    base = Snapshot(4, (SourceSnapshot("engine-a", 2, 9, (stored,)),))
+    header = ArchiveHeader(ARCHIVE_VERSION, "default", "e1", 5, 1.5, base)
+    record = LogRecord(5, "engine-a", 2, 10, 2.0, (BlockRemoved((7,), "GPU"),))
+    text = encode_header(header) + "\n\n" + encode_record(record) + "\n"
+    got, records = load_file(io.StringIO(text))
+    assert got == header and list(records) == [record]
+    assert list(load_records(io.StringIO(text))) == [record]
+    assert load_file(io.StringIO(encode_record(record)))[0] is None  # a plain export
+    with pytest.raises(SchemaError, match="line 4: an archive header after the first line"):
+        list(load_records(io.StringIO(text + encode_header(header) + "\n")))
+    wrong = msgspec.structs.replace(header, base=Snapshot(3, base.sources))
+    with pytest.raises(SchemaError, match="line 1: archive header: base at offset 3, want 4"):
+        load_file(io.StringIO(encode_header(wrong)))
