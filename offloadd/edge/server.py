@@ -110,15 +110,14 @@ class Daemon:
         self.recovery = await recover(self.store)
         self.checkpointer = Checkpointer(self.metadata, self.config, self.recovery.log_epoch)
         self.metrics.watch_checkpoints(self.checkpointer.stats)
-        # Engines with GPU blocks in the log must reconnect within their lease (3.7).
-        self.liveness.lease_all(
-            {s for s, m, _ in self.state.counts() if m == "GPU" and s != DAEMON_SOURCE}
-        )
-        # An engine the log shows with no GPU blocks may have been cleared by the daemon before
+        # Engines with blocks in the log (their GPU tier; a vLLM source's own CPU tier too)
+        # must reconnect within their lease (3.7).
+        holding = {s for s, _, _ in self.state.counts() if s != DAEMON_SOURCE}
+        self.liveness.lease_all(holding)
+        # An engine the log shows with no blocks may have been cleared by the daemon before
         # this restart: its next batch of the same incarnation makes it re-announce (harmless if
         # it really holds nothing: one new incarnation).
-        self.ingest.expect_resync(set(self.state.sources()) - {DAEMON_SOURCE} - {
-            s for s, m, _ in self.state.counts() if m == "GPU"})
+        self.ingest.expect_resync(set(self.state.sources()) - {DAEMON_SOURCE} - holding)
         servicers = self.servicers = Servicers(
             self.store, self.writer, self.ingest, self.metadata, self.metrics, self.on_fatal,
             self.liveness,

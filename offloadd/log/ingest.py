@@ -1,11 +1,15 @@
-"""Ingest of engines' GPU-tier events, fenced by (engine_id, incarnation, seq).
+"""Ingest of engines' events, fenced by (engine_id, incarnation, seq).
 
 - seq ``<=`` the last applied one of the incarnation: DUPLICATE, acked, not applied again;
 - seq beyond the next one: RESEND from the next one (nothing is applied out of order);
 - a newer incarnation must start at seq 1; its first record first clears the engine's GPU tier
-  (an explicit ``AllBlocksCleared(GPU)`` when the old incarnation had blocks);
-- an older incarnation, an empty or oversize batch, or a non-GPU event: REJECTED with a message
-  (the stream stays open; IngestStream answers by starting a new incarnation).
+  (an explicit ``AllBlocksCleared(GPU)`` when the old incarnation had blocks; without a medium,
+  every tier, when the source also held CPU-tier blocks of its own);
+- an older incarnation, an empty or oversize batch: REJECTED with a message (the stream stays
+  open; IngestStream answers by starting a new incarnation).
+A ``medium`` "CPU" event from a source is that source's own CPU tier (a vLLM engine's CPU
+offloading, appended by kv-ingest), never the daemon's (which is the source ``offloadd``, a
+name no engine may use).
 Engines need not be registered to publish events (events only; RegisterEngine is for the arena).
 
 Batches are pipelined (``submit``): the next batch of an incarnation is fenced against the last
@@ -18,7 +22,8 @@ change epoch, or that is asked to resend batches it already had acked, knows the
 batches and re-announces its GPU tier under a new incarnation (offloadd.client.ingest_stream).
 
 An engine that departs (offloadd.log.liveness decides when) gets ``clear_departed``: one record
-``AllBlocksCleared(GPU)`` under its source with incarnation 0, which the reducer applies without
+``AllBlocksCleared(GPU)`` (every tier when it held its own CPU tier) under its source with
+incarnation 0, which the reducer applies without
 fencing. The source's fence stays ``(incarnation, last_seq)``, so a late batch N+1 of the same
 incarnation still applies (the engine was alive after all: its new blocks are logged again), a
 duplicate is still a duplicate, and an older incarnation is still fenced out.
@@ -35,7 +40,7 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from events.codec_proto import EventBatch
-from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event, LogRecord
+from events.schema import AllBlocksCleared, Event, LogRecord
 from events.state import CacheState
 from offloadd.config import DEFAULT_MAX_ID_BYTES
 from offloadd.log import projection
@@ -226,7 +231,7 @@ class Ingest:
         if problem:
             return Ack(AckStatus.REJECTED, acked_seq=batch.seq - 1, message=problem)
         if new_incarnation and fence is not None and self._has_blocks(batch.engine_id):
-            return (AllBlocksCleared("GPU"), *batch.events)
+            return (self._clear_all(batch.engine_id), *batch.events)
         return batch.events
 
     def _start_append(self, batch: EventBatch, events: tuple[Event, ...],
@@ -264,18 +269,17 @@ class Ingest:
             return "empty batch: send events only when there are some"
         if len(batch.events) > self.max_batch_events:
             return f"batch has {len(batch.events)} events, the limit is {self.max_batch_events}"
-        for i, event in enumerate(batch.events):
-            medium = event.medium
-            if medium == "GPU":
-                continue
-            if isinstance(event, BlockStored | BlockRemoved):
-                return f"events[{i}]: engines publish GPU-tier events only, got medium {medium!r}"
-            if medium is not None:
-                return f"events[{i}]: engines clear their GPU tier only, got medium {medium!r}"
         return ""
 
     def _has_blocks(self, engine_id: str) -> bool:
         return any(s == engine_id for s, _, _ in self.state.counts())
+
+    def _clear_all(self, engine_id: str) -> AllBlocksCleared:
+        """What clears every tier a source holds: ``AllBlocksCleared(GPU)`` for our engines (they
+        own a GPU tier only), every tier (no medium) for a source that also holds its own CPU
+        tier (a vLLM engine's CPU offloading, followed by kv-ingest)."""
+        own_cpu = any(s == engine_id and m != "GPU" for s, m, _ in self.state.counts())
+        return AllBlocksCleared(None if own_cpu else "GPU")
 
     async def _append(self, batch: EventBatch, events: tuple[Event, ...], chain: _Chain) -> LogRecord:
         engine_id = batch.engine_id
@@ -293,8 +297,8 @@ class Ingest:
         ))
 
     async def clear_departed(self, engine_id: str) -> LogRecord | None:
-        """Log ``AllBlocksCleared(GPU)`` for a departed engine; None (nothing logged) when it
-        holds no GPU blocks. Raises RedisUnavailable when it cannot be made durable."""
+        """Log the clear of a departed engine's tiers (``_clear_all``); None (nothing logged)
+        when it holds no blocks. Raises RedisUnavailable when it cannot be made durable."""
         entry = self._hold(engine_id)
         try:
             async with entry.lock:  # fenced one at a time with its batches
@@ -304,11 +308,11 @@ class Ingest:
             self._let_go(engine_id, entry)
 
     async def _clear_departed(self, engine_id: str) -> LogRecord | None:
-        if not self._has_gpu_blocks(engine_id):
+        if not self._has_blocks(engine_id):
             return None
         fence = self.state.fence(engine_id)
         keys = self.metadata.keys
-        events: tuple[Event, ...] = (AllBlocksCleared("GPU"),)
+        events: tuple[Event, ...] = (self._clear_all(engine_id),)
 
         def project(pipe: Pipe) -> None:
             if fence is not None:  # the append wrote (0, 0): the fence is unchanged
@@ -327,9 +331,6 @@ class Ingest:
             self._departed[engine_id] = None
         while len(self._departed) > _MAX_DEPARTED:
             del self._departed[next(iter(self._departed))]
-
-    def _has_gpu_blocks(self, engine_id: str) -> bool:
-        return any(s == engine_id and m == "GPU" for s, m, _ in self.state.counts())
 
 
 def _no_apply(record: LogRecord) -> None:
