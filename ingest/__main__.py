@@ -1,0 +1,7 @@
+"""``python -m ingest``: the kv-ingest process."""
+
+import sys
+
+from ingest.main import main
+
+sys.exit(main())

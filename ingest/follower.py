@@ -1,0 +1,334 @@
+"""Follows one vLLM publisher: live batches from its PUB socket, gaps filled from its replay
+socket, every batch appended to offloadd's log under the publisher's source.
+
+Continuity. vLLM numbers batches from 0 per publisher life and keeps the last ~10,000 in a ring
+that answers replay requests. The follower remembers a digest of each batch it applied lately;
+before trusting a replay it asks from the last seq it applied (the anchor) and compares:
+
+- the anchor comes back the same: the same life; what follows fills the gap;
+- it comes back different, or the publisher has nothing that recent: the publisher restarted;
+- the ring starts after the seq we need: the gap is lost.
+
+A restart, a lost gap, a seq that goes back with other content, a new publisher identity or data
+parallel rank, an undecodable batch and a publisher gone longer than its lease all end in a
+**re-sync**: the source's current life ends (its stream says goodbye, the daemon clears the
+source's tiers), a new incarnation starts and is rebuilt from the publisher's ring (what it still
+holds, from its oldest batch) and what follows live. Blocks stored before the ring's oldest batch
+are unknown then, so the log under-reports rather than claims blocks that may be gone.
+
+Without a replay socket a gap or a restart re-syncs from what follows. A quiet publisher is
+asked for what follows the anchor every ``idle_sync_s``: a lost last batch and a quiet restart
+show up there too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Final
+
+import zmq
+
+from events.schema import BlockRemoved, BlockStored
+from events.wire_frames import seq_bytes
+from ingest.config import IngestConfig, VllmSource, source_name
+from ingest.errors import Garbage
+from ingest.metrics import Health, IngestMetrics
+from ingest.sink import SourceSink
+from ingest.wire import Frame, decode, parse_live, parse_reply
+from offloadd.client import ClientSecurity
+
+log = logging.getLogger("kvingest")
+
+RECENT: Final = 20_000  # digests kept: more than vLLM's ring (10,000 batches)
+_POLL_MS: Final = 50
+_DRAIN: Final = 256  # live messages handled per poll
+
+
+class Follower:
+    def __init__(self, spec: VllmSource, config: IngestConfig, ctx: zmq.Context[zmq.Socket[bytes]],
+                 security: ClientSecurity, metrics: IngestMetrics, health: Health) -> None:
+        self.spec = spec
+        self.config = config
+        self.label = source_name(spec.name, spec.dp_rank)
+        self._ctx = ctx
+        self._security = security
+        self._metrics = metrics
+        self._health = health
+        self._topic = spec.topic.encode()
+        self.next_seq: int | None = None  # None: no life followed
+        self.rank: int | None = None
+        self.sink: SourceSink | None = None
+        self._publisher_id = b""  # from 24-byte seq frames only (replies carry none)
+        self._recent: dict[int, int] = {}
+        self._recent_order: deque[int] = deque()
+        self._garbage_seen: set[str] = set()
+        self._last_live = self._last_contact = time.monotonic()
+        self._stop = threading.Event()
+        self._sub: zmq.Socket[bytes] | None = None
+        self._dealer: zmq.Socket[bytes] | None = None
+        m = metrics
+        self._m_batches = m.batches.labels(self.label)
+        self._m_blocks = m.block_events.labels(self.label)
+        self._m_next = m.next_seq.labels(self.label)
+
+    # -- loop --------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        self._stop = stop
+        sub = self._sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, 0)  # never drop on our side: a gap is the publisher's doing
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        sub.connect(self.spec.pub)
+        self._health.update(self.label, "waiting for the publisher")
+        try:
+            while not stop.is_set():
+                self._step(sub)
+        finally:
+            self._shutdown()
+
+    def _step(self, sub: zmq.Socket[bytes]) -> None:
+        if self.sink is not None and self.sink.needs_resync.is_set():
+            self.resync("offloadd stream reset")
+        if sub.poll(_POLL_MS, zmq.POLLIN):
+            for _ in range(_DRAIN):
+                try:
+                    frames = sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.on_live(frames)
+        elif time.monotonic() - self._last_live > self.config.idle_sync_s:
+            self._idle()
+        stream = None if self.sink is None else self.sink.stream
+        if stream is not None:
+            self._metrics.pending.labels(self.label).set(stream.num_pending)
+        self._health.update(
+            self.label,
+            "waiting for the publisher" if self.next_seq is None else f"following, next seq {self.next_seq}",
+            connected=None if stream is None else stream.is_connected)
+
+    def _shutdown(self) -> None:
+        if self.sink is not None:
+            if not self.sink.flush(5.0):
+                log.warning("%s: batches not acked by offloadd before stopping", self.label)
+            self.sink.close()
+            self.sink = None
+        for sock in (self._sub, self._dealer):
+            if sock is not None:
+                sock.close(linger=0)
+
+    # -- live -------------------------------------------------------------------------------
+
+    def on_live(self, frames: list[bytes]) -> None:
+        try:
+            frame = parse_live(frames, self._topic)
+        except Garbage as exc:
+            self._garbage(exc)
+            return
+        self._last_live = self._last_contact = time.monotonic()
+        if self._publisher_id and frame.publisher_id and frame.publisher_id != self._publisher_id:
+            self.resync("publisher restarted (new identity)", frame)
+            return
+        expected = self.next_seq
+        if expected is None:
+            if self.spec.replay is not None:
+                self.resync("first contact", frame)
+            else:
+                self._apply(frame)
+        elif frame.seq == expected:
+            self._apply(frame)
+        elif frame.seq > expected:
+            self._metrics.gaps.labels(self.label).inc()
+            log.info("%s: gap, got seq %d, expected %d", self.label, frame.seq, expected)
+            self._fill(frame)
+        elif self._recent.get(frame.seq) == hash(frame.payload):
+            self._metrics.duplicates.labels(self.label).inc()
+        else:
+            self.resync("publisher restarted (seq went back)", frame)
+
+    def _fill(self, live: Frame | None) -> None:
+        """Replay what follows the anchor; re-sync when the ring cannot fill the gap."""
+        if self.spec.replay is None:
+            self.resync("gap without a replay socket", live, use_ring=False)
+            return
+        assert self.next_seq is not None
+        anchor = self.next_seq - 1 if self.next_seq - 1 in self._recent else self.next_seq
+        frames = self._replay_from(anchor)
+        if frames is None:
+            self.resync("replay unreachable", live, use_ring=False)
+            return
+        verdict = self._continuity(anchor, frames)
+        if verdict:
+            self.resync(verdict, live)
+            return
+        for frame in frames:
+            if frame.seq >= self.next_seq:
+                self._apply(frame, replayed=True)
+        if live is not None and live.seq >= self.next_seq:
+            self._apply_after_fill(live)
+
+    def _apply_after_fill(self, live: Frame) -> None:
+        if live.seq == self.next_seq:
+            self._apply(live)
+        else:  # the replay ended before the live batch: nothing can fill that now
+            self.resync("gap not filled by the replay", live, use_ring=False)
+
+    def _continuity(self, anchor: int, frames: list[Frame]) -> str:
+        """"" when ``frames`` continue the life followed; else the re-sync reason."""
+        assert self.next_seq is not None
+        if anchor < self.next_seq:
+            for frame in frames:
+                if frame.seq == anchor:
+                    same = hash(frame.payload) == self._recent.get(anchor)
+                    return "" if same else "publisher restarted (other content at a seq)"
+        if not frames:
+            return "publisher restarted (its ring ends before our seq)" if anchor < self.next_seq else ""
+        first = frames[0].seq
+        if first > self.next_seq:
+            return "ring no longer holds the gap"
+        if first < anchor:
+            return "publisher restarted (replay before the seq asked)"
+        return ""
+
+    def _idle(self) -> None:
+        self._last_live = time.monotonic()
+        if self.spec.replay is None:
+            return
+        if self.next_seq is None:
+            frames = self._replay_from(0)
+            if frames:
+                self.resync("first contact")
+            return
+        anchor = self.next_seq - 1 if self.next_seq - 1 in self._recent else self.next_seq
+        frames = self._replay_from(anchor)
+        if frames is None:
+            if time.monotonic() - self._last_contact > self.config.publisher_lease_s:
+                log.warning("%s: publisher unreachable for %.0f s: clearing its source",
+                            self.label, self.config.publisher_lease_s)
+                self._metrics.resyncs.labels(self.label, "publisher unreachable").inc()
+                self._end_life()
+            return
+        self._last_contact = time.monotonic()
+        verdict = self._continuity(anchor, frames)
+        if verdict:
+            self.resync(verdict)
+            return
+        missed = [f for f in frames if f.seq >= self.next_seq]
+        if missed:
+            self._metrics.gaps.labels(self.label).inc()
+            log.info("%s: %d batches missed while quiet, replayed", self.label, len(missed))
+        for frame in missed:
+            self._apply(frame, replayed=True)
+
+    # -- re-sync ----------------------------------------------------------------------------
+
+    def resync(self, reason: str, live: Frame | None = None, *, use_ring: bool = True) -> None:
+        """End the source's life and rebuild it from the ring (when asked and there is one)
+        and ``live``."""
+        self._metrics.resyncs.labels(self.label, reason).inc()
+        if reason != "first contact":
+            log.warning("%s: re-sync (%s): the source is cleared and rebuilt", self.label, reason)
+        self._end_life()
+        frames = self._replay_from(0) if use_ring and self.spec.replay is not None else None
+        if frames:
+            if frames[0].seq != 0:
+                log.info("%s: the ring starts at seq %d: blocks stored before it are unknown",
+                         self.label, frames[0].seq)
+            for frame in frames:
+                self._apply(frame, replayed=True)
+        if live is not None and (self.next_seq is None or live.seq >= self.next_seq):
+            self._apply(live)
+
+    def _end_life(self) -> None:
+        if self.sink is not None:
+            self.sink.close()  # goodbye: the daemon clears the source's tiers
+            self.sink = None
+        self.next_seq = None
+        self.rank = None
+        self._publisher_id = b""
+        self._recent.clear()
+        self._recent_order.clear()
+
+    # -- applying ---------------------------------------------------------------------------
+
+    def _apply(self, frame: Frame, *, replayed: bool = False) -> None:
+        try:
+            batch = decode(frame.payload)
+        except Garbage as exc:
+            self._garbage(exc)
+            # Its events are lost: the source is re-synced from what follows.
+            self._metrics.resyncs.labels(self.label, "undecodable batch").inc()
+            self._end_life()
+            self._advance(frame)
+            return
+        if self.rank is not None and batch.dp_rank != self.rank:
+            log.warning("%s: data_parallel_rank %d after %d: a new publisher", self.label,
+                        batch.dp_rank, self.rank)
+            self._metrics.resyncs.labels(self.label, "data_parallel_rank changed").inc()
+            self._end_life()
+        if self.sink is None:
+            self.rank = batch.dp_rank
+            self.sink = SourceSink(self.config.offloadd, source_name(self.spec.name, batch.dp_rank),
+                                   self._security, self.config.max_pending)
+        if batch.num_skipped:
+            self._metrics.skipped.labels(self.label).inc(batch.num_skipped)
+        if batch.events:
+            self.sink.submit(batch.events, self._stop)
+            self._m_batches.inc()
+            self._m_blocks.inc(sum(len(e.block_hashes) for e in batch.events
+                                   if type(e) is BlockStored or type(e) is BlockRemoved))
+        if replayed:
+            self._metrics.replayed.labels(self.label).inc()
+        self._advance(frame)
+
+    def _advance(self, frame: Frame) -> None:
+        self.next_seq = frame.seq + 1
+        if frame.publisher_id:
+            self._publisher_id = frame.publisher_id
+        self._recent[frame.seq] = hash(frame.payload)
+        self._recent_order.append(frame.seq)
+        if len(self._recent_order) > RECENT:
+            self._recent.pop(self._recent_order.popleft(), None)
+        self._m_next.set(self.next_seq)
+
+    def _garbage(self, exc: Garbage) -> None:
+        self._metrics.garbage.labels(self.label, exc.kind).inc()
+        if exc.kind not in self._garbage_seen:  # once per kind: a flood must not flood the log
+            self._garbage_seen.add(exc.kind)
+            log.warning("%s: dropping what does not follow the wire (%s); further ones of this "
+                        "kind are only counted (kvingest_garbage)", self.label, exc)
+
+    # -- replay socket ----------------------------------------------------------------------
+
+    def _replay_from(self, start: int) -> list[Frame] | None:
+        """Every batch the publisher's ring holds from ``start``; None when it does not answer
+        within ``replay_timeout_s`` (between two messages)."""
+        assert self.spec.replay is not None
+        if self._dealer is None:
+            self._dealer = self._ctx.socket(zmq.DEALER)
+            self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.setsockopt(zmq.RCVHWM, 0)
+            self._dealer.connect(self.spec.replay)
+        dealer = self._dealer
+        # REQ's envelope: an empty delimiter, then the start seq (a REQ socket would accept only
+        # the first of the reply's messages, so real clients use a DEALER).
+        dealer.send_multipart([b"", seq_bytes(start)])
+        out: list[Frame] = []
+        timeout_ms = int(self.config.replay_timeout_s * 1000)
+        while dealer.poll(timeout_ms, zmq.POLLIN):
+            try:
+                frame = parse_reply(dealer.recv_multipart())
+            except Garbage as exc:
+                self._garbage(exc)
+                continue
+            if frame is None:
+                self._last_contact = time.monotonic()
+                return out
+            out.append(frame)
+        # A late answer would be taken for the next one's: start on a fresh socket.
+        dealer.close(linger=0)
+        self._dealer = None
+        return None

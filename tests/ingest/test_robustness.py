@@ -1,0 +1,85 @@
+"""Garbage from a publisher is counted and logged once per kind, never fatal; health, metrics and
+a graceful stop; a publisher without a replay socket."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ingest.vllm_publisher import VllmStylePublisher
+from offloadd.client import OffloadClient
+from tests.ingest.conftest import stored, view_is, wait_for
+from tests.support.ingest_proc import IngestProcess, vllm_endpoints
+
+
+def test_garbage_is_counted_logged_once_per_kind_and_never_fatal(
+    client: OffloadClient, publishers: list[VllmStylePublisher],
+    start_ingest: Callable[..., IngestProcess],
+) -> None:
+    pub, replay = vllm_endpoints()
+    vllm = VllmStylePublisher(pub, replay)
+    publishers.append(vllm)
+    ingest = start_ingest(f"pod-a={pub},replay={replay}")
+    vllm.publish([stored(1)])
+    wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({1})}), what="the first batch")
+    for _ in range(3):
+        vllm.send_frames([b"one frame"])
+    vllm.send_frames([b"", b"123", b"payload"])  # a seq frame of 3 bytes
+    vllm.send_frames([b"other-topic", (7).to_bytes(8, "big"), b"payload"])
+    # A batch at the next seq that no decoder can read: its events are unknown, so the source
+    # is cleared and rebuilt from what follows, and the seq goes on.
+    vllm.publish_payload(b"\xc1 not msgpack")
+    wait_for(view_is(client, {}), what="the source cleared")
+    vllm.publish([stored(2)])
+    wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({2})}), what="following again")
+    kinds = {k: ingest.metric("kvingest_garbage_total", source="pod-a", kind=k)
+             for k in ("frame_count", "seq_frame", "topic", "payload")}
+    assert kinds == {"frame_count": 3, "seq_frame": 1, "topic": 1, "payload": 1}
+    assert ingest.metric("kvingest_resyncs_total", source="pod-a", reason="undecodable batch") == 1
+    assert ingest.output().count("(frame_count:") == 1  # logged once, counted thrice
+    code, health = ingest.health()
+    assert code == 200 and health["publishers"]["pod-a"]["offloadd_connected"] is True
+    assert ingest.proc is not None and ingest.proc.poll() is None
+
+
+def test_graceful_stop_clears_the_sources_it_no_longer_follows(
+    client: OffloadClient, publishers: list[VllmStylePublisher],
+    start_ingest: Callable[..., IngestProcess],
+) -> None:
+    pub, replay = vllm_endpoints()
+    vllm = VllmStylePublisher(pub, replay)
+    publishers.append(vllm)
+    ingest = start_ingest(f"pod-a={pub},replay={replay}")
+    vllm.publish([stored(1), stored(2, medium="CPU")])
+    wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({1}), ("pod-a", "CPU", 0): frozenset({2})}),
+             what="both tiers")
+    assert ingest.metric("kvingest_block_events_total", source="pod-a") == 2
+    assert ingest.stop() == 0
+    assert "stopped" in ingest.output()
+    # The stream said goodbye: the daemon clears every tier of the source (its own CPU tier too).
+    wait_for(view_is(client, {}), what="the source cleared")
+    # A new kv-ingest rebuilds the source from the publisher's ring.
+    start_ingest(f"pod-a={pub},replay={replay}")
+    wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({1}), ("pod-a", "CPU", 0): frozenset({2})}),
+             what="rebuilt from the ring")
+
+
+def test_without_a_replay_socket_a_gap_resyncs_from_what_follows(
+    client: OffloadClient, publishers: list[VllmStylePublisher],
+    start_ingest: Callable[..., IngestProcess],
+) -> None:
+    pub, _ = vllm_endpoints()
+    vllm = VllmStylePublisher(pub)
+    publishers.append(vllm)
+    ingest = start_ingest(f"pod-a={pub}")
+    wait_for(lambda: ingest.health()[1].get("publishers", {}).get("pod-a") is not None, what="health")
+    wait_for(lambda: _published_until_seen(vllm, client), what="the first batch")
+    vllm.publish([stored(20)], drop=True)
+    vllm.publish([stored(21)])
+    wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({21})}), what="the re-sync")
+    assert ingest.metric("kvingest_resyncs_total", source="pod-a", reason="gap without a replay socket") == 1
+
+
+def _published_until_seen(vllm: VllmStylePublisher, client: OffloadClient) -> bool:
+    """PUB/SUB drops what is sent before the subscription is in place: send until seen."""
+    vllm.publish([stored(10)])
+    return view_is(client, {("pod-a", "GPU", 0): frozenset({10})})()
