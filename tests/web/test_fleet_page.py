@@ -15,6 +15,7 @@ from events.state import CacheState
 from router.page import page_routes
 from tests.support.bridge_proc import FleetSimulator
 from tests.web.browser import Chromium, png_check
+from tests.web.devtools import Page
 from tests.web.server import serving
 
 ENGINES = ("engine-a", "engine-b", "<b>engine-c</b>")  # the third: markup must stay text
@@ -130,3 +131,34 @@ def test_a_failing_status_is_an_error_the_page_shows(tmp_path: Path) -> None:
     assert dom.text("conn") == "disconnected: fleet status unavailable: bridge not reachable"
     assert "down" in dom.by_id("conn").classes
     assert dom.by_id("engines").all("tr", "engine") == []
+
+
+def test_the_page_follows_the_fleet_as_it_changes(tmp_path: Path) -> None:
+    """Through the DevTools protocol: the page, loaded once, shows an engine going down and a
+    new routing decision within a few polls."""
+    status = FleetStatus()
+    down: set[str] = set()  # what the fleet does next
+    extra: list[dict[str, Any]] = []
+
+    def changing() -> dict[str, Any]:
+        body = status()
+        for e in body["engines"]:
+            e["healthy"] = e["healthy"] and e["name"] not in down
+        body["decisions"] += extra
+        return body
+
+    with serving(_app(changing)) as base, Page(tmp_path / "devtools") as page:
+        page.goto(base + "?interval_ms=200")
+        page.wait_for("document.getElementById('conn').textContent === 'live'")
+        assert page.text("engines-healthy") == "2 of 3 healthy"
+        down.add("engine-b")
+        extra.append({"t": 1_700_000_003.0, "request_id": "req-5", "engine": "engine-a",
+                              "reason": "engine_down_retry", "predicted_cached_tokens": 16,
+                              "cached_tokens": 16})
+        page.wait_for("document.getElementById('engines-healthy').textContent === '1 of 3 healthy'")
+        assert page.eval("document.querySelector('tr.engine[data-engine=\"engine-b\"] td.healthy')"
+                         ".textContent") == "down"
+        first = page.wait_for("(r => r.dataset.request === 'req-5' && r.querySelector('.reason')"
+                              ".textContent)(document.querySelector('#decisions tr.decision'))")
+        assert first == "engine_down_retry"
+        assert page.text("agreement") == "3 of 4 (75.0%)"

@@ -29,6 +29,7 @@ from tests.support.offloadd_proc import DaemonProcess
 from tests.support.redis_proc import RedisProcess
 from tests.support.synthetic_engine import SLOT, SyntheticPublisher, SyntheticStorer
 from tests.web.browser import Chromium, Dom, png_check
+from tests.web.devtools import Page
 
 NAMESPACE = "kvctl-web"
 
@@ -142,10 +143,7 @@ def _check_state(dom: Dom, rec: Recording, at: int) -> CacheState:
 
 
 def _check_diff(dom: Dom, before: CacheState, after: CacheState) -> int:
-    va, vb = before.view(), after.view()
-    expect = {k: (len(vb.get(k, set()) - va.get(k, set())), len(va.get(k, set()) - vb.get(k, set())))
-              for k in va.keys() | vb.keys()}
-    expect = {k: v for k, v in expect.items() if v != (0, 0)}
+    expect = _changes(before, after)
     rows = _tiers(dom, "diff", "change")
     got = {k: (int(r.cell("added")[1:]), int(r.cell("removed")[1:]))  # type: ignore[attr-defined]
            for k, r in rows.items()}
@@ -267,3 +265,59 @@ def test_kvctl_web_on_the_redis_log_shows_what_the_recording_shows(
     assert fences["engine-a"] == [2, 25]  # the log's fence: incarnation 2, its 25 batches
     assert redis_log["last"] > recorded_last
     assert tiers(redis_end)["engine-a"] == [] and tiers(redis_end)["engine-b"] == []
+
+
+def test_the_slider_keys_and_buttons_drive_the_page(recording: Recording, tmp_path: Path) -> None:
+    """Through the DevTools protocol: arrow keys on the focused slider (the browser moves it and
+    fires its events), 'A = here', Home/End and a click on a tier row."""
+    offsets = [r.offset for r in recording.records]
+    mid, last = offsets[len(offsets) // 2], offsets[-1]
+    rows_js = ("Array.from(document.querySelectorAll('#state tr.tier')).map(r => [r.dataset.source,"
+               " r.dataset.medium, Number(r.dataset.group), Number(r.querySelector('.blocks').textContent)])")
+    diff_js = ("Array.from(document.querySelectorAll('#diff tr.change')).map(r => [r.dataset.source,"
+               " r.dataset.medium, Number(r.dataset.group), r.querySelector('.added').textContent,"
+               " r.querySelector('.removed').textContent])")
+
+    def at(page: Page, offset: int) -> None:
+        page.wait_for(f"document.getElementById('offset').textContent === '{offset}'")
+        counts = recording.state_at(offset).counts()
+        assert sorted(tuple(r) for r in page.eval(rows_js)) == sorted((*k, n) for k, n in counts.items())
+
+    with kvctl_web(recording.path) as (url, _proc), Page(tmp_path / "devtools") as page:
+        page.goto(f"{url}?at={mid}")
+        page.wait_for("document.getElementById('status').dataset.ready === '1'")
+        at(page, mid)
+        page.eval("document.getElementById('slider').focus()")
+        for _ in range(2):
+            page.press("ArrowRight")
+        at(page, mid + 2)
+        page.eval("document.getElementById('set-a').click()")
+        for _ in range(5):
+            page.press("ArrowRight")
+        at(page, mid + 7)
+        summary = page.wait_for(f"(t => t.startsWith('offset {mid + 2} ') && t)"
+                                "(document.getElementById('diff-summary').textContent)")
+        changes = _changes(recording.state_at(mid + 2), recording.state_at(mid + 7))
+        assert sorted(tuple(r) for r in page.eval(diff_js)) == sorted(
+            (*k, f"+{a}", f"\u2212{r}") for k, (a, r) in changes.items())
+        assert summary.startswith(f"offset {mid + 2} \u2192 {mid + 7}: +{sum(a for a, _ in changes.values())} ")
+        page.press("Home")
+        at(page, 0)
+        assert page.eval("document.getElementById('state-empty').hidden") is False
+        assert page.text("record") == "before the first record"
+        page.press("End")
+        at(page, last)
+        cpu = page.eval("document.querySelector('#state tr.tier[data-medium=CPU]').dataset.source")
+        page.eval("document.querySelector('#state tr.tier[data-medium=CPU]').click()")
+        page.wait_for(f"document.getElementById('chains-source').textContent === {json.dumps(cpu)}")
+        chains = page.wait_for("document.querySelectorAll('#chains tr.chain').length")
+        assert chains == sum(len(s.events) for s in recording.state_at(last).export().sources
+                             if s.source == cpu)
+        assert page.eval("location.search").startswith(f"?at={last}&a={mid + 2}&b={last}&source=")
+
+
+def _changes(before: CacheState, after: CacheState) -> dict[tuple[str, str, int], tuple[int, int]]:
+    va, vb = before.view(), after.view()
+    out = {k: (len(vb.get(k, set()) - va.get(k, set())), len(va.get(k, set()) - vb.get(k, set())))
+           for k in va.keys() | vb.keys()}
+    return {k: v for k, v in out.items() if v != (0, 0)}
