@@ -6,8 +6,8 @@ form is the last 8 bytes as an unsigned big-endian int.
 
 The seed follows vLLM (``resolve_none_hash_seed`` in vllm/v1/core/kv_cache_utils.py): the value
 of ``PYTHONHASHSEED`` when set, else the fixed string ``"vllm-none-hash"``, so engines of a fleet
-agree without configuration (:func:`env_hash_seed`; entry points call it, this library reads no
-environment). A request's extra keys per block (LoRA, cache salt, multimodal items) are built by
+agree without configuration (:func:`env_hash_seed`; a :class:`BlockHasher` built without a seed
+reads the environment as vLLM's ``init_none_hash`` does, everything else takes it explicitly). A request's extra keys per block (LoRA, cache salt, multimodal items) are built by
 :class:`events.extra_keys.RequestKeys` and hashed by :meth:`BlockHasher.hash_request`.
 
 Hashing a 4096-token prompt is on every request's path, so the common case (token ids that
@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import cbor2
@@ -111,11 +112,12 @@ def to_wire(digest: BlockDigest | bytes) -> BlockHash:
 class BlockHasher:
     """Hashes full blocks of token ids into a chain of digests.
 
-    ``seed`` plays the role of vLLM's PYTHONHASHSEED (default: vLLM's seed without it):
-    engines that should share hashes must use the same seed, algorithm and block size.
+    ``seed`` plays the role of vLLM's PYTHONHASHSEED; by default it is vLLM's: $PYTHONHASHSEED,
+    else :data:`DEFAULT_SEED`. Engines that should share hashes must use the same seed,
+    algorithm and block size.
     """
 
-    seed: str = DEFAULT_SEED
+    seed: str = field(default_factory=lambda: env_hash_seed(os.environ))
     block_size: int = 16
     algo: HashAlgo = "sha256_cbor"
 

@@ -151,9 +151,13 @@ def test_digests_are_block_digests_and_to_wire_takes_their_last_8_bytes() -> Non
     assert to_wire(digests[1]) == int.from_bytes(digests[1][-8:], "big")
 
 
-def test_default_seed_is_vllms() -> None:
+def test_default_seed_is_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
     # vLLM without PYTHONHASHSEED: NONE_HASH = sha256(CBOR text "vllm-none-hash").
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     assert BlockHasher().none_hash == hashlib.sha256(_cbor("vllm-none-hash")).digest()
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # vLLM's init_none_hash follows it; so do we
+    assert BlockHasher().seed == "0"
+    assert BlockHasher(seed="x").seed == "x"  # an explicit seed wins
     assert env_hash_seed({}) == DEFAULT_SEED == "vllm-none-hash"
     assert env_hash_seed({"PYTHONHASHSEED": "0", "X": "1"}) == "0"
     assert env_hash_seed({"PYTHONHASHSEED": ""}) == ""  # set but empty is still set, as os.getenv

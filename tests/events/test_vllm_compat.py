@@ -203,7 +203,8 @@ def _ours(req: _VllmRequest, block_size: int, seed: str, tagged: bool) -> list[i
     return [to_wire(d) for d in hasher.hash_request(req.all_token_ids, keys)]
 
 
-def test_default_seed_is_vllms_and_follows_pythonhashseed() -> None:
+def test_default_seed_is_vllms_and_follows_pythonhashseed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     assert DEFAULT_SEED == "vllm-none-hash"
     assert env_hash_seed({}) == "vllm-none-hash" == _vllm_seed({})
     assert env_hash_seed({"PYTHONHASHSEED": "0"}) == "0" == _vllm_seed({"PYTHONHASHSEED": "0"})
