@@ -5,8 +5,10 @@ only the positional arrays of v0.23 and older (WIRE.md "Legacy layout"), and one
 cannot satisfy both. With ``--legacy-pub``/``--legacy-replay`` one bridge serves both, so every
 consumer of a fleet reads the one log: each record the publisher sends on its map-layout PUB is
 sent here too, under the same topic and seq, encoded as arrays (the legacy layout carries no
-source); replay and snapshots come from a :class:`bridge.replay_server.ReplayServer` of its own
-in the legacy layout, planned by the same publisher, so both pairs number alike.
+source). Replay and snapshots come from a :class:`bridge.replay_server.ReplayServer` of its
+own in the legacy layout, planned by the same publisher, so both pairs number alike. A record
+whose values only the map layout takes (bridge.transcode) leaves its seq unsent here: legacy
+consumers see a gap that replay cannot fill, and the mirror logs it.
 
 Owned by the publisher's thread (``publish*``) except the replay server's own thread.
 """
@@ -60,8 +62,11 @@ class LegacyMirror:
     def publish(self, topic: bytes, seq: int, data: bytes) -> None:
         """Send the stored record ``data`` that took ``seq`` on ``topic``'s stream."""
         batch = batch_for(data, "legacy")
-        if batch is not None:  # the publisher gave it a seq, so it reads in every layout
-            self._send(topic, seq, batch.payload)
+        if batch is None:  # values the legacy layout's stricter decode refuses (bridge.transcode)
+            log.warning("seq %d of %r cannot be encoded in the legacy layout: not sent there",
+                        seq, topic.decode(errors="replace"))
+            return
+        self._send(topic, seq, batch.payload)
 
     def publish_payload(self, topic: bytes, seq: int, payload: bytes) -> None:
         """Send a batch the publisher encoded itself (a new epoch's clear batches)."""

@@ -179,12 +179,16 @@ class ReplayServer:
                 log.warning("replay from seq %d: records before offset %d were trimmed; "
                             "answering from seq %d", plan.start_seq, offset, seq)
             batch = batch_for(data, layout)
-            if batch is None or not takes_seq(batch, plan.source):
+            # Seqs are the publisher's, given in its layout: a mirror in another layout keeps
+            # them even for a record it cannot encode (it sends nothing under that seq).
+            numbered = batch if layout == self._config.layout else batch_for(data, self._config.layout)
+            if not takes_seq(numbered, plan.source):
                 continue  # the publisher's rule: such records took no seq
-            self._send(identity, [plan.topic, seq_bytes(seq), batch.payload])
-            self._metrics.replayed_batches.inc()
+            if batch is not None:
+                self._send(identity, [plan.topic, seq_bytes(seq), batch.payload])
+                self._metrics.replayed_batches.inc()
+                sent += 1
             seq += 1
-            sent += 1
         return sent + len(plan.preamble)
 
     def _send_snapshot(self, identity: bytes, snap: SnapshotPlan) -> None:

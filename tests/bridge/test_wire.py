@@ -244,3 +244,27 @@ def test_one_bridge_serves_both_layouts(
         assert snapshot and all(isinstance(e, LBlockStored) for b in snapshot for e in b.events)
     finally:
         assert bridge.stop() == 0
+
+
+def test_legacy_pair_keeps_the_map_pairs_seqs_past_a_record_it_cannot_encode(
+    redis_url: str, client: redis.Redis, zctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path
+) -> None:
+    """A medium outside our schema: the map layout publishes it (the state counts the
+    violation), the legacy layout cannot; the legacy pair skips that seq, not renumbers."""
+    writer = LogWriter(client)
+    for i in range(5):
+        medium = "DISK" if i == 2 else "GPU"
+        writer.append("e", [BlockRemoved((i,), medium)])  # type: ignore[arg-type]
+    legacy_pub, legacy_replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    bridge = BridgeProcess(redis_url, tmp_path, "--start", "beginning",
+                           "--legacy-pub", legacy_pub, "--legacy-replay", legacy_replay)
+    bridge.start()
+    try:
+        seqs = {}
+        for name, endpoint in (("map", bridge.replay), ("legacy", legacy_replay)):
+            dealer = zctx.socket(zmq.DEALER)
+            dealer.connect(endpoint)
+            seqs[name] = [int.from_bytes(f[2], "big") for f in _replay(dealer, 0)[:-1]]
+        assert seqs == {"map": [0, 1, 2, 3, 4], "legacy": [0, 1, 3, 4]}
+    finally:
+        assert bridge.stop() == 0
