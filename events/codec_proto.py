@@ -60,40 +60,44 @@ _KIND_FROM_PB: Final[dict[int, SpecKind]] = {
 
 def event_to_proto(event: Event) -> events_pb2.KvEvent:
     """Raise SchemaError when a value does not fit the proto field (e.g. a negative group)."""
+    msg = events_pb2.KvEvent()
+    _fill_event(msg, event)
+    return msg
+
+
+def _fill_event(msg: events_pb2.KvEvent, event: Event) -> None:
+    """Write ``event`` into an empty KvEvent in place (a nested message built apart and then
+    assigned is copied: filling in place costs half as much per event)."""
     try:
-        return _event_to_proto(event)
+        _fill(msg, event)
     except (ValueError, TypeError) as exc:
         raise SchemaError(f"{type(event).__name__}: {exc}") from exc
 
 
-def _event_to_proto(event: Event) -> events_pb2.KvEvent:
+def _fill(msg: events_pb2.KvEvent, event: Event) -> None:
     if isinstance(event, BlockStored):
-        msg = events_pb2.BlockStored(
-            block_hashes=event.block_hashes,
-            token_ids=event.token_ids,
-            block_size=event.block_size,
-            medium=_MEDIUM_TO_PB[event.medium],
-            group_idx=event.group_idx,
-            kv_cache_spec_kind=_KIND_TO_PB[event.kv_cache_spec_kind],
-        )
+        stored = msg.block_stored
+        stored.block_hashes.extend(event.block_hashes)
+        stored.token_ids.extend(event.token_ids)
+        stored.block_size = event.block_size
+        stored.medium = _MEDIUM_TO_PB[event.medium]
+        stored.group_idx = event.group_idx
+        stored.kv_cache_spec_kind = _KIND_TO_PB[event.kv_cache_spec_kind]
         if event.parent_block_hash is not None:
-            msg.parent_block_hash = event.parent_block_hash
+            stored.parent_block_hash = event.parent_block_hash
         if event.sliding_window is not None:
-            msg.sliding_window = event.sliding_window
+            stored.sliding_window = event.sliding_window
         if event.lora_name is not None:
-            msg.lora_name = event.lora_name
+            stored.lora_name = event.lora_name
         if event.extra_keys is not None:
-            msg.extra_keys.extend(cbor2.dumps(k, canonical=True) for k in event.extra_keys)
-        return events_pb2.KvEvent(block_stored=msg)
-    if isinstance(event, BlockRemoved):
-        removed = events_pb2.BlockRemoved(
-            block_hashes=event.block_hashes,
-            medium=_MEDIUM_TO_PB[event.medium],
-            group_idx=event.group_idx,
-        )
-        return events_pb2.KvEvent(block_removed=removed)
-    cleared = events_pb2.AllBlocksCleared(medium=_MEDIUM_TO_PB[event.medium])
-    return events_pb2.KvEvent(all_blocks_cleared=cleared)
+            stored.extra_keys.extend(cbor2.dumps(k, canonical=True) for k in event.extra_keys)
+    elif isinstance(event, BlockRemoved):
+        removed = msg.block_removed
+        removed.block_hashes.extend(event.block_hashes)
+        removed.medium = _MEDIUM_TO_PB[event.medium]
+        removed.group_idx = event.group_idx
+    else:
+        msg.all_blocks_cleared.medium = _MEDIUM_TO_PB[event.medium]
 
 
 def event_from_proto(msg: events_pb2.KvEvent) -> Event:
@@ -173,21 +177,24 @@ def _events_from_proto(msgs: Any) -> tuple[Event, ...]:
     return tuple([event_from_proto(m) for m in msgs])
 
 
-def _events_to_proto(events: tuple[Event, ...]) -> list[events_pb2.KvEvent]:
-    return [event_to_proto(e) for e in events]
+def _events_to_proto(out: Any, events: tuple[Event, ...]) -> None:
+    """Append ``events`` to the repeated KvEvent field ``out``."""
+    for event in events:
+        _fill_event(out.add(), event)
 
 
 # -- batches, records, snapshots ----------------------------------------------------------------
 
 
 def batch_to_proto(batch: EventBatch) -> events_pb2.EventBatch:
-    return events_pb2.EventBatch(
+    msg = events_pb2.EventBatch(
         engine_id=batch.engine_id,
         incarnation=batch.incarnation,
         seq=batch.seq,
         ts=batch.ts,
-        events=_events_to_proto(batch.events),
     )
+    _events_to_proto(msg.events, batch.events)
+    return msg
 
 
 def batch_from_proto(msg: events_pb2.EventBatch) -> EventBatch:
@@ -199,14 +206,15 @@ def batch_from_proto(msg: events_pb2.EventBatch) -> EventBatch:
 
 
 def record_to_proto(record: LogRecord) -> events_pb2.LogRecord:
-    return events_pb2.LogRecord(
+    msg = events_pb2.LogRecord(
         offset=record.offset,
         source=record.source,
         incarnation=record.incarnation,
         source_seq=record.source_seq,
         ts=record.ts,
-        events=_events_to_proto(record.events),
     )
+    _events_to_proto(msg.events, record.events)
+    return msg
 
 
 def record_from_proto(msg: events_pb2.LogRecord) -> LogRecord:
@@ -223,18 +231,11 @@ def record_from_proto(msg: events_pb2.LogRecord) -> LogRecord:
 
 
 def snapshot_to_proto(snap: Snapshot) -> log_pb2.SnapshotResponse:
-    return log_pb2.SnapshotResponse(
-        offset=snap.offset,
-        sources=[
-            log_pb2.SourceSnapshot(
-                source=s.source,
-                incarnation=s.incarnation,
-                last_seq=s.last_seq,
-                events=_events_to_proto(s.events),
-            )
-            for s in snap.sources
-        ],
-    )
+    msg = log_pb2.SnapshotResponse(offset=snap.offset)
+    for s in snap.sources:
+        source = msg.sources.add(source=s.source, incarnation=s.incarnation, last_seq=s.last_seq)
+        _events_to_proto(source.events, s.events)
+    return msg
 
 
 def snapshot_from_proto(msg: log_pb2.SnapshotResponse) -> Snapshot:
