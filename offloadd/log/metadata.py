@@ -156,6 +156,13 @@ if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'owner'}
 if redis.call('TYPE', KEYS[2])['ok'] ~= 'stream' then return {'none'} end
 return {'ok', redis.call('XTRIM', KEYS[2], 'MINID', ARGV[2])}
 """
+# KEYS: owner, epoch. ARGV: owner value ('' = unchecked), new epoch, '1' = only if none is set.
+# Returns {'owner'} refused, else {'ok', the epoch now}.
+_SET_EPOCH = """
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'owner'} end
+if ARGV[3] == '1' then redis.call('SET', KEYS[2], ARGV[2], 'NX') else redis.call('SET', KEYS[2], ARGV[2]) end
+return {'ok', redis.call('GET', KEYS[2])}
+"""
 _OP_CHUNK = 512  # members per queued command: Lua's unpack() is bounded (~8000 values)
 _FIXED_KEYS = 4
 
@@ -249,6 +256,7 @@ class MetadataStore:
         self._appended = asyncio.Event()
         self._script = client.register_script(_WRITE)
         self._trim = client.register_script(_TRIM)
+        self._set_epoch = client.register_script(_SET_EPOCH)
         self.owner = ""  # the owner lease value every write is fenced by ('' = unchecked)
         # Takes the owner lease again when it ran out with nobody taking it (offloadd.log.owner)
         self.retake_owner: Callable[[], Awaitable[str]] | None = None
@@ -633,6 +641,21 @@ class MetadataStore:
                 raise ForeignData(f"field {f[:60]!r} of {key} does not decode ({exc}); "
                                   f"{self.repair_hint()}") from exc
         return out
+
+    async def set_epoch(self, epoch: str, only_if_absent: bool) -> str:
+        """Set the log's epoch (fenced by the owner lease like every write; with
+        ``only_if_absent`` an epoch already there stays); the epoch now. OwnershipLost when the
+        lease is not ours, RedisUnavailable when Redis cannot be reached."""
+        try:
+            reply = await self._set_epoch(keys=[self.keys.owner, self.keys.epoch],
+                                          args=[self.owner, epoch, "1" if only_if_absent else "0"])
+        except (RedisError, OSError) as exc:
+            raise RedisUnavailable(f"Redis unreachable setting the log epoch: {exc}") from exc
+        if reply[0] != b"ok":
+            raise OwnershipLost(f"namespace {self.keys.namespace!r} is no longer owned by this "
+                                "daemon; the log epoch was not set")
+        now = reply[1]
+        return str(now.decode() if isinstance(now, bytes) else now)
 
     async def set_daemon_fields(self, fields: dict[str, str]) -> None:
         ops = _Ops([self.keys.head, self.keys.log, self.keys.sources, self.keys.owner])

@@ -130,11 +130,9 @@ async def _log_epoch(store: HostStore, persisted: Persisted) -> str:
         new = uuid.uuid4().hex
         if lost:  # the records are gone but an epoch is left: it names a log that no longer is
             log.error("the log is gone (head key said %d): starting log epoch %s", persisted.head, new)
-            await md.client.set(key, new)
+            await md.set_epoch(new, only_if_absent=False)
         else:
-            await md.client.set(key, new, nx=True)  # a second daemon is fenced by the lease
-            raw = await md.client.get(key)
-            new = str(raw.decode() if isinstance(raw, bytes) else raw)
+            new = await md.set_epoch(new, only_if_absent=True)
             if md.head > 0:
                 log.warning("log without an epoch (written before epochs): its epoch is now %s", new)
             elif persisted.daemon:

@@ -199,3 +199,38 @@ def test_split_then_join_is_the_snapshot() -> None:
         assert all(sum(len(p.events) for p in c) <= per_chunk for c in chunks)
         assert join(snap.offset, chunks) == snap
         assert CacheState.from_snapshot(join(snap.offset, chunks)) == state
+
+
+def test_the_log_epoch_is_set_only_by_the_namespaces_owner(redis_url: str) -> None:
+    """Recovery's epoch write is fenced by the owner lease like every other write."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from events.logkeys import LogKeys
+    from events.state import CacheState
+    from offloadd.log.metadata import MetadataStore, OwnershipLost
+
+    keys = LogKeys("epochfence")
+
+    async def scenario() -> tuple[str, str, str | None]:
+        client = aioredis.Redis.from_url(redis_url)
+        md = MetadataStore(client, keys, CacheState())
+        await client.set(keys.owner, "7:daemon-a")
+        md.owner = "7:daemon-a"
+        first = await md.set_epoch("e1", only_if_absent=True)
+        kept = await md.set_epoch("e2", only_if_absent=True)  # one is there: it stays
+        md.owner = "6:daemon-old"  # a daemon whose lease was taken over
+        try:
+            await md.set_epoch("e3", only_if_absent=False)
+            refused = None
+        except OwnershipLost as exc:
+            refused = str(exc)
+        now = await client.get(keys.epoch)
+        await client.aclose()
+        assert now == b"e1"
+        return first, kept, refused
+
+    first, kept, refused = asyncio.run(scenario())
+    assert (first, kept) == ("e1", "e1")
+    assert refused is not None and "no longer owned by this daemon" in refused
