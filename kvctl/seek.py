@@ -2,16 +2,19 @@
 
 ``kvctl web`` asks for states in any order as a slider moves. Each is rebuilt by the one reducer
 (:class:`events.state.CacheState`) from the nearest kept state at or before it: the state the
-log starts from (offset 0 or a checkpoint), an export every ``keep_every`` records, and the state
-after each jump over a gap (kvctl.logsource restores the state it hands over in place there), all
-taken in the one pass that loads the log. That pass also keeps the violations the reducer found
-and the resident blocks per tier after every record, downsampled, for the page's overview.
+log starts from (offset 0 or a checkpoint), an export whenever replaying up to it would cost
+well more than restoring it, and the state after each jump over a gap (kvctl.logsource restores
+the state it hands over in place there), all taken in the one pass that loads the log. That
+pass also keeps the violations the reducer found and the resident blocks per tier along the
+log, downsampled, for the page's overview.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from bisect import bisect_right
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,6 +26,9 @@ from kvctl.errors import KvctlError
 OVERVIEW_POINTS = 400
 SAMPLE_HASHES = 10
 MAX_CHAINS = 100
+RECENT_STATES = 8
+KEEP_RATIO = 4.0  # applying since the last copy / what that copy took (a restore costs about as much)
+MIN_COPY_S = 0.01
 
 
 def hash_text(h: int) -> str:
@@ -33,36 +39,41 @@ def hash_text(h: int) -> str:
 class SeekableLog:
     """The records of one log and states kept along it; offsets from ``start`` to ``last``."""
 
-    def __init__(self, state: CacheState, records: Iterable[LogRecord], keep_every: int = 1000) -> None:
+    def __init__(self, state: CacheState, records: Iterable[LogRecord],
+                 keep_every: int | None = None) -> None:
         """Apply ``records`` to ``state`` (the state they follow, which the source may restore
-        in place at a gap), keeping a copy every ``keep_every`` records."""
-        if keep_every <= 0:
+        in place at a gap), keeping a copy every ``keep_every`` records; by default whenever
+        the records applied since the last copy took :data:`KEEP_RATIO` times longer than that
+        copy did (a copy costs per resident block, a record far less: a small state is copied
+        often, a large one rarely, and copying takes at most about a fifth of the load)."""
+        if keep_every is not None and keep_every <= 0:
             raise ValueError(f"keep_every must be > 0, got {keep_every}")
         self.start = state.offset
         self.records: list[LogRecord] = []
         # (records applied, the state then), in order: where a rebuild starts.
-        self._kept: list[tuple[int, Snapshot]] = [(0, state.export())]
-        since = 0
-        totals: list[tuple[int, int, int]] = []
+        self._kept: list[tuple[int, Snapshot]] = []
+        keep = _Keeper(self._kept, keep_every)
+        keep(0, state)
+        overview = _Overview(OVERVIEW_POINTS)
         for record in records:
             if self.records and state.offset != self.records[-1].offset:  # restored at a gap
-                self._kept.append((len(self.records), state.export()))
-                since = 0
+                keep(len(self.records), state)
             state.apply(record)
             self.records.append(record)
-            since += 1
-            if since == keep_every:
-                self._kept.append((len(self.records), state.export()))
-                since = 0
-            per_medium: Counter[str] = Counter()
-            for (_s, medium, _g), n in state.counts().items():
-                per_medium[medium] += n
-            totals.append((record.offset, per_medium["GPU"], per_medium["CPU"]))
+            keep.applied(len(self.records), state)
+            overview.add(state)
         self.violations: list[Violation] = list(state.violations)
         self.sources = state.sources()
         self._offsets = [r.offset for r in self.records]
         self._kept_at = [count for count, _ in self._kept]
-        self._overview = _downsample(totals, OVERVIEW_POINTS)
+        self._overview = overview.points(state)
+        self._recent: OrderedDict[int, CacheState] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def num_kept(self) -> int:
+        """How many states are kept (the start's included)."""
+        return len(self._kept)
 
     @property
     def last(self) -> int:
@@ -77,13 +88,31 @@ class SeekableLog:
                              f"offset {self.start})")
 
     def state_at(self, offset: int) -> CacheState:
-        """The reducer's state after every record at or before ``offset``."""
+        """The reducer's state after every record at or before ``offset`` (the caller reads
+        it, never changes it: the last few are shared, as a page asks for the same offsets
+        again for its state and its diff)."""
         self.check(offset)
         count = bisect_right(self._offsets, offset)
+        with self._lock:
+            cached = self._recent.get(offset)
+            if cached is not None:
+                self._recent.move_to_end(offset)
+                return cached
         from_count, snap = self._kept[bisect_right(self._kept_at, count) - 1]
+        if from_count == count and snap.offset > offset:  # a state restored after a gap
+            before = self.records[count - 1].offset if count else self.start
+            if offset > before:
+                raise KvctlError(f"offset {offset} is in a gap of the log (offsets {before + 1}.."
+                                 f"{snap.offset - 1} are missing): states are known at offset "
+                                 f"{before} and from offset {snap.offset} on")
+            from_count, snap = self._kept[bisect_right(self._kept_at, count) - 2]
         state = CacheState.from_snapshot(snap)
         for record in self.records[from_count:count]:
             state.apply(record)
+        with self._lock:
+            self._recent[offset] = state
+            while len(self._recent) > RECENT_STATES:
+                self._recent.popitem(last=False)
         return state
 
     def record_at(self, offset: int) -> LogRecord | None:
@@ -184,12 +213,58 @@ def _violation_json(v: Violation) -> dict[str, Any]:
     return {"offset": v.offset, "source": v.source, "kind": v.kind, "detail": v.detail}
 
 
-def _downsample(points: list[tuple[int, int, int]], n: int) -> list[tuple[int, int, int]]:
-    """At most about ``n`` points, always the last (where the slider starts)."""
-    if len(points) <= n:
-        return points
-    step = len(points) / n
-    picked = [points[int(i * step)] for i in range(n)]
-    if picked[-1] != points[-1]:
-        picked.append(points[-1])
-    return picked
+class _Keeper:
+    """Decides when :class:`SeekableLog` keeps a copy of the state, and keeps it."""
+
+    def __init__(self, kept: list[tuple[int, Snapshot]], every: int | None) -> None:
+        self.kept, self.every = kept, every
+        self.since = 0
+        self.copy_s = 0.0  # what the last copy took
+        self.mark = time.perf_counter()  # when applying since the last copy began
+
+    def __call__(self, count: int, state: CacheState) -> None:
+        t0 = time.perf_counter()
+        self.kept.append((count, state.export()))
+        self.mark = time.perf_counter()
+        self.copy_s, self.since = self.mark - t0, 0
+
+    def applied(self, count: int, state: CacheState) -> None:
+        self.since += 1
+        if self.every is not None:
+            due = self.since >= self.every
+        else:  # the clock is read now and then, not per record
+            due = self.since % 256 == 0 and (
+                time.perf_counter() - self.mark >= KEEP_RATIO * max(self.copy_s, MIN_COPY_S))
+        if due:
+            self(count, state)
+
+
+class _Overview:
+    """Resident blocks per tier along the log at between ``n`` and ``2n`` evenly spaced records
+    (and the last): the stride doubles as the log grows, so the counting costs O(n log records)
+    rather than a count per record."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.stride, self.seen = n, 1, 0
+        self.taken: list[tuple[int, int, int]] = []
+
+    def add(self, state: CacheState) -> None:
+        self.seen += 1
+        if self.seen % self.stride:
+            return
+        self.taken.append(_totals(state))
+        if len(self.taken) >= 2 * self.n:
+            self.taken = self.taken[1::2]  # the points at multiples of the doubled stride
+            self.stride *= 2
+
+    def points(self, state: CacheState) -> list[tuple[int, int, int]]:
+        if self.seen and self.seen % self.stride:
+            return [*self.taken, _totals(state)]
+        return self.taken
+
+
+def _totals(state: CacheState) -> tuple[int, int, int]:
+    per_medium: Counter[str] = Counter()
+    for (_s, medium, _g), n in state.counts().items():
+        per_medium[medium] += n
+    return state.offset, per_medium["GPU"], per_medium["CPU"]

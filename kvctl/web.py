@@ -45,15 +45,16 @@ def register(subparsers: Any) -> None:
                    help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help=f"port to listen on (default {DEFAULT_PORT}; 0 = any free port)")
-    p.add_argument("--keep-every", type=int, default=1000, metavar="N",
-                   help="keep a state every N records, so a jump replays at most N (default 1000)")
+    p.add_argument("--keep-every", type=int, metavar="N",
+                   help="keep a copy of the state every N records, so a jump replays at most N "
+                   "(default: when applying the records since the last copy took 4x what that copy did)")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise KvctlError(f"--port must be in 0..65535, got {args.port}")
-    if args.keep_every <= 0:
+    if args.keep_every is not None and args.keep_every <= 0:
         raise KvctlError(f"--keep-every must be > 0, got {args.keep_every}")
     view = open_log(args, label="loading")
     seekable = SeekableLog(view.state(), view.records, args.keep_every)
