@@ -8,6 +8,7 @@ itself moves a focused slider and fires its events).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
 import json
@@ -141,6 +142,14 @@ class Page:
         for kind in ("rawKeyDown", "keyUp"):
             self.send("Input.dispatchKeyEvent", {"type": kind, "key": key, "code": key,
                                                  "windowsVirtualKeyCode": code}, session=True)
+
+    def screenshot(self, path: Path, width: int, height: int) -> None:
+        """A PNG of the page in a ``width`` x ``height`` viewport."""
+        self.send("Emulation.setDeviceMetricsOverride", {"width": width, "height": height,
+                                                         "deviceScaleFactor": 1, "mobile": False},
+                  session=True)
+        data = self.send("Page.captureScreenshot", {"format": "png"}, session=True)["data"]
+        path.write_bytes(base64.b64decode(data))
 
     def text(self, element_id: str) -> str:
         value: str = self.eval(f"document.getElementById({json.dumps(element_id)}).textContent")
