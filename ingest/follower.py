@@ -16,6 +16,9 @@ source's tiers), a new incarnation starts and is rebuilt from the publisher's ri
 holds, from its oldest batch) and what follows live. Blocks stored before the ring's oldest batch
 are unknown then, so the log under-reports rather than claims blocks that may be gone.
 
+Batches already waiting together (a burst, a replay) are handed to offloadd as one batch of
+their events in order, up to MERGE_EVENTS: one log record then holds several vLLM batches.
+
 Without a replay socket a gap or a restart re-syncs from what follows. A quiet publisher is
 asked for what follows the anchor every ``idle_sync_s``: a lost last batch and a quiet restart
 show up there too.
@@ -31,7 +34,7 @@ from typing import Final
 
 import zmq
 
-from events.schema import BlockRemoved, BlockStored
+from events.schema import BlockRemoved, BlockStored, Event
 from events.wire_frames import seq_bytes
 from ingest.config import IngestConfig, VllmSource, source_name
 from ingest.errors import Garbage
@@ -43,6 +46,7 @@ from offloadd.client import ClientSecurity
 log = logging.getLogger("kvingest")
 
 RECENT: Final = 20_000  # digests kept: more than vLLM's ring (10,000 batches)
+MERGE_EVENTS: Final = 1024  # events of consecutive batches already received sent as one batch
 _POLL_MS: Final = 50
 _DRAIN: Final = 256  # live messages handled per poll
 
@@ -65,6 +69,7 @@ class Follower:
         self._recent: dict[int, int] = {}
         self._recent_order: deque[int] = deque()
         self._garbage_seen: set[str] = set()
+        self._merged: list[Event] = []  # applied, not yet handed to the sink
         self._last_live = self._last_contact = time.monotonic()
         self._stop = threading.Event()
         self._sub: zmq.Socket[bytes] | None = None
@@ -102,6 +107,7 @@ class Follower:
                 self.on_live(frames)
         elif time.monotonic() - self._last_live > self.config.idle_sync_s:
             self._idle()
+        self._flush()
         stream = None if self.sink is None else self.sink.stream
         if stream is not None:
             self._metrics.pending.labels(self.label).set(stream.num_pending)
@@ -111,6 +117,7 @@ class Follower:
             connected=None if stream is None else stream.is_connected)
 
     def _shutdown(self) -> None:
+        self._flush()
         if self.sink is not None:
             if not self.sink.flush(5.0):
                 log.warning("%s: batches not acked by offloadd before stopping", self.label)
@@ -243,6 +250,7 @@ class Follower:
             self._apply(live)
 
     def _end_life(self) -> None:
+        self._merged = []  # the life's last events: cleared with it
         if self.sink is not None:
             self.sink.close()  # goodbye: the daemon clears the source's tiers
             self.sink = None
@@ -276,13 +284,22 @@ class Follower:
         if batch.num_skipped:
             self._metrics.skipped.labels(self.label).inc(batch.num_skipped)
         if batch.events:
-            self.sink.submit(batch.events, self._stop)
+            if len(self._merged) + len(batch.events) > MERGE_EVENTS:
+                self._flush()
+            self._merged.extend(batch.events)
             self._m_batches.inc()
             self._m_blocks.inc(sum(len(e.block_hashes) for e in batch.events
                                    if type(e) is BlockStored or type(e) is BlockRemoved))
         if replayed:
             self._metrics.replayed.labels(self.label).inc()
         self._advance(frame)
+
+    def _flush(self) -> None:
+        """Hand the events applied so far to the sink as one batch: the consecutive batches
+        that were waiting together share one log record (DECISIONS: kv-ingest merges)."""
+        if self._merged and self.sink is not None:
+            self.sink.submit(self._merged, self._stop)
+        self._merged = []
 
     def _advance(self, frame: Frame) -> None:
         self.next_seq = frame.seq + 1

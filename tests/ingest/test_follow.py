@@ -28,8 +28,9 @@ def test_follows_live_batches_and_fills_dropped_ones_from_the_replay_ring(
     vllm.publish([stored(9)], drop=True)  # lost, and nothing follows: found while quiet
     wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({2, 3, 9})}), what="the ring's batches")
     recs = [r for r in records(client) if r.source == "pod-a"]
-    assert [r.source_seq for r in recs] == [1, 2, 3, 4, 5]  # one incarnation, every batch once
-    assert len({r.incarnation for r in recs}) == 1
+    assert len({r.incarnation for r in recs}) == 1  # one life, every batch once, in order
+    assert [e for r in recs for e in r.events] == [
+        stored(1), stored(2, parent=1), stored(3, parent=2), BlockRemoved((1,), "GPU"), stored(9)]
     assert ingest.metric("kvingest_gaps_total", source="pod-a") == 2
     assert ingest.metric("kvingest_replayed_batches_total", source="pod-a") >= 3
     assert ingest.metric("kvingest_resyncs_total", source="pod-a", reason="first contact") == 1
@@ -37,10 +38,10 @@ def test_follows_live_batches_and_fills_dropped_ones_from_the_replay_ring(
     assert state_of(client).violations == []
 
 
-def _cleared_after(client: OffloadClient, source: str, seq_events: int) -> bool:
-    """Some record of ``source`` after its first ``seq_events`` records clears it."""
-    recs = [r for r in records(client) if r.source == source]
-    return any(isinstance(e, AllBlocksCleared) for r in recs[seq_events:] for e in r.events)
+def _cleared(client: OffloadClient, source: str) -> bool:
+    """The log clears ``source`` somewhere (its first life starts without a clear)."""
+    return any(isinstance(e, AllBlocksCleared)
+               for r in records(client) if r.source == source for e in r.events)
 
 
 def test_a_publisher_restart_is_a_new_incarnation(
@@ -62,7 +63,7 @@ def test_a_publisher_restart_is_a_new_incarnation(
     wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({5})}), what="the second life")
     last = [r for r in records(client) if r.source == "pod-a"][-1]
     assert last.incarnation > first_inc and last.source_seq == 1
-    assert _cleared_after(client, "pod-a", 2)
+    assert _cleared(client, "pod-a")
     assert ingest.metric("kvingest_resyncs_total", source="pod-a", reason="publisher restarted (its ring ends before our seq)") == 1
 
 
@@ -83,7 +84,7 @@ def test_a_gap_the_ring_no_longer_holds_resyncs_from_the_ring(
     # Re-synced: cleared, rebuilt from what the ring holds (batches of 8, 9, 10, 11); 100 and
     # 1-7 are unknown now, so the log claims none of them.
     wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({8, 9, 10, 11})}), what="the re-sync")
-    assert _cleared_after(client, "pod-a", 1)
+    assert _cleared(client, "pod-a")
     assert ingest.metric("kvingest_resyncs_total", source="pod-a", reason="ring no longer holds the gap") == 1
     vllm.publish([stored(12)])  # and it follows on
     wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({8, 9, 10, 11, 12})}), what="live again")
