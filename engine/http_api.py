@@ -129,7 +129,7 @@ async def _stream(loop: EngineLoop, run: RequestStream, shape: _Shape, include_u
         async for out in iterate_in_threadpool(iter(run)):
             last, n = out, n + len(out.new_token_ids)
             reason = FINISH_REASONS.get(out.finish_reason or "") if out.finished else None
-            if out.new_text or reason:
+            if out.new_token_ids or reason:  # a chunk per token, its text possibly held back
                 yield sse(shape.chunk(out.new_text, reason))
         if include_usage and last is not None:
             yield sse({**shape.chunk(None, None), "choices": [],

@@ -1,5 +1,6 @@
 """kv-router's HTTP front door (FastAPI): the OpenAI API in front of the engines, /health,
-/metrics, the router's status as JSON at /status, and the fleet page (router.page) when present."""
+/metrics, the router's status as JSON at /status, and the fleet page (router.page) when present.
+The gRPC Generate front door (router.grpc_front) starts and stops with it."""
 
 from __future__ import annotations
 
@@ -58,10 +59,18 @@ def create_app(router: Router) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await router.fleet.check_all()  # engines up now are in rotation before the first request
         task = asyncio.create_task(router.fleet.run_health_checks())
+        grpc_front = None
+        if router.config.grpc_port >= 0:
+            from router.grpc_front import start_grpc
+
+            grpc_front = await start_grpc(router, router.config.host, router.config.grpc_port)
         try:
             yield
         finally:
             task.cancel()
+            if grpc_front is not None:
+                await grpc_front[0].stop(5)
+                await grpc_front[1].close()
             await router.client.aclose()
 
     app = FastAPI(title="kv-router", summary="KV-aware router with an OpenAI-compatible API",

@@ -17,6 +17,9 @@ DEFAULT_NODE_SOURCE: Final = "offloadd"
 """The source name of a node's host tier in the log (offloadd's own events)."""
 
 
+_OPTIONS: Final = {"source": "source", "node": "node_source", "grpc": "grpc"}
+
+
 class RouterConfigError(ValueError):
     """A flag or config file value the router cannot run with; the message says which."""
 
@@ -32,6 +35,8 @@ class EngineSpec:
     """The engine's source in the event log (its --engine-id); default: ``name``."""
     node_source: str = DEFAULT_NODE_SOURCE
     """The source of the host tier on the engine's node (offloadd)."""
+    grpc: str = ""
+    """The engine's gRPC Generate target (HOST:PORT), for the router's Generate front door."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -45,7 +50,8 @@ class EngineSpec:
 
     @classmethod
     def parse(cls, text: str) -> EngineSpec:
-        """``NAME=URL[,source=ID][,node=SOURCE]`` (``URL`` alone names the engine by it)."""
+        """``NAME=URL[,source=ID][,node=SOURCE][,grpc=HOST:PORT]`` (``URL`` alone names the
+        engine by it)."""
         head, *opts = text.split(",")
         name, sep, url = head.partition("=")
         if not sep:
@@ -53,9 +59,10 @@ class EngineSpec:
         kw: dict[str, str] = {}
         for opt in opts:
             key, sep, value = opt.partition("=")
-            if not sep or key not in ("source", "node"):
-                raise RouterConfigError(f"--engine {text!r}: options are source=ID and node=SOURCE, got {opt!r}")
-            kw["source" if key == "source" else "node_source"] = value
+            if not sep or key not in _OPTIONS:
+                raise RouterConfigError(f"--engine {text!r}: options are source=ID, node=SOURCE and "
+                                        f"grpc=HOST:PORT, got {opt!r}")
+            kw[_OPTIONS[key]] = value
         return cls(name.strip(), url.strip(), **kw)
 
 
@@ -66,6 +73,8 @@ class RouterConfig:
     host: str = "0.0.0.0"
     port: int = 8100
     """Port of the OpenAI HTTP API, /health, /metrics and the fleet page."""
+    grpc_port: int = -1
+    """Port of the gRPC Generate front door (-1: off; engines need a grpc= target)."""
     bridge_pub: str = ""
     """kv-bridge's PUB endpoint (tcp://HOST:5557); empty: no cache view (kv falls back to load)."""
     bridge_replay: str = ""
@@ -104,6 +113,8 @@ class RouterConfig:
             raise RouterConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.hash_algo not in HASH_ALGOS:
             raise RouterConfigError(f"hash algorithm must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
+        if self.grpc_port >= 0 and not any(e.grpc for e in self.engines):
+            raise RouterConfigError("--grpc-port needs engines with a gRPC target (--engine NAME=URL,grpc=HOST:PORT)")
         if bool(self.bridge_pub) != bool(self.bridge_replay):
             raise RouterConfigError("give both --bridge-pub and --bridge-replay, or neither")
         for name in ("block_size", "max_attempts"):
@@ -133,8 +144,9 @@ def engines_from_file(path: str) -> list[EngineSpec]:
         raise RouterConfigError(f"{path}: expected [[engines]] tables with name and url")
     out = []
     for t in tables:
-        unknown = set(t) - {"name", "url", "source", "node"}
+        unknown = set(t) - {"name", "url", "source", "node", "grpc"}
         if unknown or not isinstance(t.get("name"), str) or not isinstance(t.get("url"), str):
             raise RouterConfigError(f"{path}: an engine needs string name and url (and may have source, node): {t}")
-        out.append(EngineSpec(t["name"], t["url"], str(t.get("source", "")), str(t.get("node", DEFAULT_NODE_SOURCE))))
+        out.append(EngineSpec(t["name"], t["url"], str(t.get("source", "")), str(t.get("node", DEFAULT_NODE_SOURCE)),
+                              str(t.get("grpc", ""))))
     return out

@@ -9,7 +9,7 @@ before any token was sent. Example:
             --bridge-pub tcp://127.0.0.1:5557 --bridge-replay tcp://127.0.0.1:5558 --model DIR
 
 Serves /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /status and the
-fleet page on --port.
+fleet page on --port, and gRPC Generate on --grpc-port.
 """
 
 from __future__ import annotations
@@ -30,15 +30,18 @@ def _parser() -> argparse.ArgumentParser:
     d = RouterConfig(engines=(EngineSpec("x", "http://x"),))
     p = argparse.ArgumentParser(prog="kv-router", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", action="append", default=[], metavar="NAME=URL[,source=ID][,node=SOURCE]",
+    p.add_argument("--engine", action="append", default=[], metavar="NAME=URL[,source=ID][,node=SOURCE][,grpc=HOST:PORT]",
                    help="an engine's OpenAI HTTP base URL; source: its --engine-id in the event log "
-                        "(default NAME); node: its node's host-tier source (default offloadd). Repeat per engine")
+                        "(default NAME); node: its node's host-tier source (default offloadd); grpc: its "
+                        "Generate target, for --grpc-port. Repeat per engine")
     p.add_argument("--config", default=None, metavar="TOML",
                    help="engines from [[engines]] tables (name, url, source, node), added to --engine")
     p.add_argument("--policy", default=d.policy, choices=POLICIES,
                    help="kv: by cached prefix against load (default); others ignore the cache")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="HTTP port (OpenAI API, /health, /metrics, page)")
+    p.add_argument("--grpc-port", type=int, default=d.grpc_port,
+                   help="serve gRPC Generate in front of the engines with a grpc= target (-1: off)")
     p.add_argument("--bridge-pub", default="", help="kv-bridge PUB endpoint, e.g. tcp://127.0.0.1:5557")
     p.add_argument("--bridge-replay", default="", help="kv-bridge replay endpoint, e.g. tcp://127.0.0.1:5558")
     p.add_argument("--topic", default=d.topic, help="the bridge's topic")
@@ -67,7 +70,8 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     if a.config:
         engines += engines_from_file(a.config)
     return RouterConfig(
-        engines=tuple(engines), policy=a.policy, host=a.host, port=a.port, bridge_pub=a.bridge_pub,
+        engines=tuple(engines), policy=a.policy, host=a.host, port=a.port, grpc_port=a.grpc_port,
+        bridge_pub=a.bridge_pub,
         bridge_replay=a.bridge_replay, topic=a.topic, model_dir=a.model, served_model_name=a.served_model_name,
         block_size=a.block_size, hash_seed=a.hash_seed, hash_algo=a.hash_algo, gpu_weight=a.gpu_weight,
         cpu_weight=a.cpu_weight, load_weight=a.load_weight, health_interval_s=a.health_interval_s,

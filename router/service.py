@@ -42,6 +42,10 @@ from rpc.openai_protocol import (
 
 log = logging.getLogger("kv-router")
 
+ENGINE_HEADER = "x-kv-engine"
+REASON_HEADER = "x-kv-route-reason"
+PREDICTED_HEADER = "x-kv-predicted-cached-tokens"
+
 
 class EngineFailed(Exception):
     """The engine did not answer (network error or 5xx) before anything reached the client."""
@@ -77,6 +81,9 @@ class Router:
 
     # -- prompt -> hashes --------------------------------------------------------------------
 
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text) if self.tokenizer else list(text.encode("utf-8"))
+
     def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
         if isinstance(req, ChatCompletionRequest):
             try:
@@ -85,9 +92,7 @@ class Router:
                 raise OpenAIError(400, str(exc), param="messages") from exc
         else:
             text = req.single_prompt()
-        if isinstance(text, list):
-            return text
-        return self.tokenizer.encode(text) if self.tokenizer else list(text.encode("utf-8"))
+        return text if isinstance(text, list) else self.encode(text)
 
     def hashes(self, token_ids: list[int]) -> list[BlockHash]:
         """The blocks an engine can reuse: every full block but the one holding the last token."""
@@ -97,14 +102,21 @@ class Router:
             return []  # nothing to reuse, or ids the engine refuses anyway
         return [to_wire(d) for d in self.hasher.hash_blocks(token_ids[: n * bs])]
 
-    def decide(self, hashes: list[BlockHash], tried: set[str]) -> Decision | None:
-        candidates = [e for e in self.fleet.healthy() if e.name not in tried]
+    def decide(self, hashes: list[BlockHash], tried: set[str], *, grpc: bool = False) -> Decision | None:
+        """``grpc``: only engines with a Generate target."""
+        candidates = [e for e in self.fleet.healthy() if e.name not in tried and (e.spec.grpc or not grpc)]
         if not candidates:
             return None
         if self.follower is None:
             return self.chooser.choose(candidates, hashes, None)
         with self.follower.reading() as state:
             return self.chooser.choose(candidates, hashes, state)
+
+    def record(self, decision: Decision) -> dict[str, Any]:
+        """A decision under a new request id, kept for the truth and the fleet page."""
+        rid = f"{self._prefix}-{next(self._ids)}"
+        predicted = (decision.gpu_blocks + decision.cpu_blocks) * self.config.block_size
+        return self.truth.decided(rid, decision.engine.name, decision.reason, predicted)
 
     def _predicted_now(self, engine: EngineState, hashes: list[BlockHash]) -> int:
         if self.follower is None:
@@ -139,14 +151,12 @@ class Router:
                 self.retries += 1
             engine = decision.engine
             tried.add(engine.name)
-            rid = f"{self._prefix}-{next(self._ids)}"
-            predicted = (decision.gpu_blocks + decision.cpu_blocks) * self.config.block_size
-            entry = self.truth.decided(rid, engine.name, decision.reason, predicted)
+            entry = self.record(decision)
             engine.in_flight += 1
             try:
                 if req.stream:
-                    return await self._stream(engine, path, content, rid, entry, hashes, wants_usage)
-                return await self._whole(engine, path, content, rid, entry, hashes)
+                    return await self._stream(engine, path, content, entry["request_id"], entry, hashes, wants_usage)
+                return await self._whole(engine, path, content, entry["request_id"], entry, hashes)
             except (httpx2.TransportError, EngineFailed) as exc:
                 engine.in_flight -= 1
                 why = f"{type(exc).__name__}: {exc}"
@@ -159,6 +169,12 @@ class Router:
     def _headers(self, rid: str) -> dict[str, str]:
         return {"content-type": "application/json", REQUEST_ID_HEADER: rid}
 
+    @staticmethod
+    def _route_headers(entry: dict[str, Any]) -> dict[str, str]:
+        """Where the request went and why, for clients that want to see it (the demo does)."""
+        return {ENGINE_HEADER: entry["engine"], REASON_HEADER: entry["reason"],
+                PREDICTED_HEADER: str(entry["predicted_cached_tokens"]), REQUEST_ID_HEADER: entry["request_id"]}
+
     async def _whole(self, engine: EngineState, path: str, content: bytes, rid: str,
                      entry: dict[str, Any], hashes: list[BlockHash]) -> Response:
         resp = await self.client.post(engine.spec.url + path, content=content, headers=self._headers(rid),
@@ -168,7 +184,8 @@ class Router:
         engine.in_flight -= 1
         if resp.status_code == 200:
             self._report(engine, entry, hashes, _json(resp.content))
-        return Response(resp.content, resp.status_code, media_type="application/json")
+        return Response(resp.content, resp.status_code, media_type="application/json",
+                        headers=self._route_headers(entry))
 
     async def _stream(self, engine: EngineState, path: str, content: bytes, rid: str,
                       entry: dict[str, Any], hashes: list[BlockHash], wants_usage: bool) -> Response:
@@ -181,7 +198,8 @@ class Router:
             if resp.status_code >= 500:
                 raise EngineFailed(f"answered {resp.status_code}: {body[:200]!r}")
             engine.in_flight -= 1
-            return Response(body, resp.status_code, media_type="application/json")
+            return Response(body, resp.status_code, media_type="application/json",
+                            headers=self._route_headers(entry))
         events = sse_events(resp.aiter_bytes())
         held: list[SseEvent] = []
         try:  # hold what comes before the first output: the engine may still die in the prefill
@@ -195,7 +213,7 @@ class Router:
             await resp.aclose()
             raise
         return StreamingResponse(self._relay(engine, resp, events, held, entry, hashes, wants_usage),
-                                 media_type="text/event-stream")
+                                 media_type="text/event-stream", headers=self._route_headers(entry))
 
     async def _relay(self, engine: EngineState, resp: httpx2.Response, events: AsyncIterator[SseEvent],
                      held: list[SseEvent], entry: dict[str, Any], hashes: list[BlockHash],
@@ -222,9 +240,12 @@ class Router:
 
     def _report(self, engine: EngineState, entry: dict[str, Any], hashes: list[BlockHash], body: Any) -> None:
         got = cached_from_usage(body)
-        if got is None:
-            return
-        prompt_tokens, gpu, cpu = got
+        if got is not None:
+            self.report(engine, entry, hashes, *got)
+
+    def report(self, engine: EngineState, entry: dict[str, Any], hashes: list[BlockHash],
+               prompt_tokens: int, gpu: int, cpu: int) -> None:
+        """The engine's account of a finished request: its load figures and the prediction's truth."""
         engine.report(prompt_tokens, gpu, cpu)
         outcome = self.truth.reported(entry, gpu + cpu, self._predicted_now(engine, hashes))
         if outcome != "agree":

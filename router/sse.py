@@ -23,15 +23,16 @@ class SseEvent:
 
     @property
     def carries_output(self) -> bool:
-        """Text, a finish reason or an error: once one went to the client, no retry elsewhere."""
+        """A generated token (a completion chunk, a chat delta other than the opening role),
+        a finish reason or an error: once one went to the client, no retry elsewhere."""
         d = self.data
         if not isinstance(d, dict):
             return self.raw.startswith(b"data: [DONE]")
         if "error" in d:
             return True
         for choice in d.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if choice.get("text") or delta.get("content") or choice.get("finish_reason"):
+            delta = choice.get("delta")
+            if choice.get("finish_reason") or "text" in choice or (isinstance(delta, dict) and "role" not in delta):
                 return True
         return False
 

@@ -1,7 +1,8 @@
 """``kv-stack``: the whole kvoffload stack as local processes (no Docker needed).
 
-    kv-stack up              start redis (unless REDIS_URL), offloadd, kv-bridge, one engine,
-                             run the demo, then keep serving until Ctrl-C / SIGTERM
+    kv-stack up              start redis (unless REDIS_URL), offloadd, kv-bridge, two engines and
+                             kv-router in front of them, run the demo through the router, then
+                             keep serving until Ctrl-C / SIGTERM
     kv-stack up --no-demo    just the stack
     kv-stack demo --short    start, run a short demo, stop (what CI runs)
 """
@@ -43,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-blocks", type=int, default=48, help="GPU-tier (KV pool) blocks per engine")
     p.add_argument("--arena-bytes", type=int, default=512 << 20, help="host-tier capacity")
     p.add_argument("--arena-dir", default="/dev/shm")
+    p.add_argument("--engines", type=int, default=2, help="engines behind kv-router")
+    p.add_argument("--policy", default="kv", choices=["kv", "round-robin", "least-loaded", "random"],
+                   help="kv-router's routing policy")
     p.add_argument("--no-demo", action="store_true", help="start the stack only")
     p.add_argument("--short", action="store_true", help="a shorter demo workload")
     return p
@@ -55,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir=run_dir, redis_url=args.redis_url, namespace=args.namespace,
         model_dir=Path(args.model).resolve() if args.model else None, hybrid=args.hybrid,
         arena_bytes=args.arena_bytes, num_gpu_blocks=args.gpu_blocks, arena_dir=args.arena_dir,
+        num_engines=args.engines, router_policy=args.policy,
     )
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
@@ -64,12 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         ep = stack.up()
         print(f"\n  redis     {redact_url(ep.redis_url)}\n  offloadd  {ep.offloadd} (metrics {ep.offloadd_metrics})"
               f"\n  bridge    PUB {ep.bridge_pub}  replay {ep.bridge_replay}  topic {config.topic!r}"
-              f"\n  engine-0  {ep.engines[0]} (gRPC Generate)\n", flush=True)
+              + "".join(f"\n  engine-{n}  {target} (gRPC Generate)  {url} (OpenAI HTTP)"
+                        for n, (target, url) in enumerate(zip(ep.engines, ep.engine_urls, strict=True)))
+              + f"\n  router    {ep.router}/v1 (OpenAI HTTP, policy {config.router_policy})  page {ep.router}/"
+              f"\n            {ep.router_grpc} (gRPC Generate)\n",
+              flush=True)
         if not args.no_demo:
             from stack.demo import run_demo
 
-            run_demo(list(ep.engines), stack.add_engine, ep.bridge_pub, ep.bridge_replay,
-                     config.topic, run_dir, args.short)
+            run_demo(ep.router, ep.bridge_pub, ep.bridge_replay, config.topic, run_dir, args.short)
         if args.command == "demo":
             return 0
         print("\nkv-stack: the stack is up; Ctrl-C stops it.", flush=True)

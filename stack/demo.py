@@ -1,18 +1,19 @@
-"""``kv-stack demo``: drives the workload through the engines' Generate API, follows the event
-stream through the bridge, then prints a table of GPU hits, CPU-tier hits and misses with
-their time to first token and writes a PNG timeline."""
+"""``kv-stack demo``: sends the workload through kv-router's OpenAI API (each request to the
+engine it chooses, printed with the reason), follows the event stream through the bridge, then
+prints a table of GPU hits, CPU-tier hits and misses with their time to first token and
+writes a PNG timeline."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import grpc
-from kvcache.v1 import generate_pb2, generate_pb2_grpc
+import httpx2
 
 from events.subscriber import KvEventSubscriber
 from stack.workload import DemoRequest, build
@@ -23,6 +24,9 @@ CATEGORIES = ("miss", "GPU hit", "CPU hit")
 @dataclass(frozen=True)
 class Outcome:
     request: DemoRequest
+    engine: str
+    reason: str
+    predicted: int
     t_s: float
     ttft_s: float
     prompt_tokens: int
@@ -38,18 +42,36 @@ class Outcome:
         return "GPU hit" if self.gpu_cached else "miss"
 
 
-def generate(stub: generate_pb2_grpc.GenerateStub, prompt: str, max_tokens: int
-             ) -> tuple[float, generate_pb2.GenerateResponse]:
-    req = generate_pb2.GenerateRequest(
-        text=prompt, sampling=generate_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+@dataclass(frozen=True)
+class Routed:
+    """One streamed completion through the router: where it went, why, and what it reused."""
+
+    engine: str
+    reason: str
+    predicted: int
+    ttft_s: float
+    usage: dict[str, Any]
+
+
+def complete(client: httpx2.Client, prompt: str, max_tokens: int) -> Routed:
+    body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft = 0.0
-    last = generate_pb2.GenerateResponse()
-    for msg in stub.Generate(req, timeout=120):
-        if not ttft and msg.token_ids:
-            ttft = time.perf_counter() - start
-        last = msg
-    return ttft, last
+    usage: dict[str, Any] = {}
+    with client.stream("POST", "/v1/completions", json=body, timeout=120) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"kv-router answered {resp.status_code}: {resp.read()[:300]!r}")
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if not ttft and chunk.get("choices"):  # the first token's chunk (its text may be held)
+                ttft = time.perf_counter() - start
+            usage = chunk.get("usage") or usage
+        h = resp.headers
+        return Routed(h.get("x-kv-engine", "?"), h.get("x-kv-route-reason", "?"),
+                      int(h.get("x-kv-predicted-cached-tokens", "0")), ttft, usage)
 
 
 def tier_blocks(sub: KvEventSubscriber) -> tuple[int, int]:
@@ -62,40 +84,44 @@ def tier_blocks(sub: KvEventSubscriber) -> tuple[int, int]:
     return gpu, cpu
 
 
-def run_demo(engines: list[str], add_engine: Callable[[], str], pub: str, replay: str,
-             topic: str, out_dir: Path, short: bool, max_tokens: int = 4) -> list[Outcome]:
+def run_demo(router_url: str, pub: str, replay: str, topic: str, out_dir: Path, short: bool,
+             max_tokens: int = 4) -> list[Outcome]:
     workload = build(short)
     sub = KvEventSubscriber(pub, replay, topic)
     sub.bootstrap()
-    stubs: dict[int, generate_pb2_grpc.GenerateStub] = {}
-    channels: list[grpc.Channel] = []
     outcomes: list[Outcome] = []
     t0 = time.perf_counter()
+    phase = 0
+    print(f"  every request goes through kv-router ({router_url}); it says which engine and why",
+          flush=True)
     try:
-        for i, req in enumerate(workload, 1):
-            if req.engine >= len(engines):
-                print(f"\n  phase {req.phase}: a second engine joins the same daemon", flush=True)
-                engines.append(add_engine())
-            if req.engine not in stubs:
-                channels.append(grpc.insecure_channel(engines[req.engine]))
-                stubs[req.engine] = generate_pb2_grpc.GenerateStub(channels[-1])
-            ttft, last = generate(stubs[req.engine], req.prompt, max_tokens)
-            time.sleep(0.05)  # let the daemon commit the stores and the bridge publish them
-            sub.catch_up()
-            gpu, cpu = tier_blocks(sub)
-            o = Outcome(req, time.perf_counter() - t0, ttft, last.num_prompt_tokens,
-                        last.num_gpu_cached_tokens, last.num_cpu_cached_tokens, gpu, cpu)
-            outcomes.append(o)
-            print(f"  [{i:>2}/{len(workload)}] engine-{req.engine} {req.label:<10} "
-                  f"{o.category:<8} ttft {o.ttft_s * 1000:7.1f} ms  prompt {o.prompt_tokens:>4} "
-                  f"gpu-cached {o.gpu_cached:>4} cpu-cached {o.cpu_cached:>4}", flush=True)
+        with httpx2.Client(base_url=router_url, trust_env=False) as client:
+            for i, req in enumerate(workload, 1):
+                if req.phase != phase:
+                    phase = req.phase
+                    print(f"\n  phase {phase}: {PHASES.get(phase, '')}", flush=True)
+                r = complete(client, req.prompt, max_tokens)
+                time.sleep(0.05)  # let the daemon commit the stores and the bridge publish them
+                sub.catch_up()
+                gpu, cpu = tier_blocks(sub)
+                details = r.usage.get("prompt_tokens_details") or {}
+                o = Outcome(req, r.engine, r.reason, r.predicted, time.perf_counter() - t0, r.ttft_s,
+                            int(r.usage.get("prompt_tokens", 0)), int(details.get("gpu_cached_tokens", 0)),
+                            int(details.get("cpu_cached_tokens", 0)), gpu, cpu)
+                outcomes.append(o)
+                print(f"  [{i:>2}/{len(workload)}] {req.label:<10} -> {o.engine:<9} {o.reason:<11} "
+                      f"{o.category:<8} ttft {o.ttft_s * 1000:7.1f} ms  prompt {o.prompt_tokens:>4} "
+                      f"gpu-cached {o.gpu_cached:>4} cpu-cached {o.cpu_cached:>4} "
+                      f"(predicted {o.predicted})", flush=True)
         print_table(outcomes, sub)
         write_timeline(outcomes, out_dir / "demo-timeline.png")
     finally:
-        for ch in channels:
-            ch.close()
         sub.close()
     return outcomes
+
+
+PHASES = {1: "documents read twice and chats that grow: the router follows their prefixes",
+          2: "the documents a third time (host-tier hits on either engine) and two new ones"}
 
 
 def print_table(outcomes: list[Outcome], sub: KvEventSubscriber) -> None:
@@ -110,8 +136,13 @@ def print_table(outcomes: list[Outcome], sub: KvEventSubscriber) -> None:
         cached = statistics.mean(o.gpu_cached + o.cpu_cached for o in rows)
         print(f"  {cat:<10} {len(rows):>9} {prompt:>11.0f} {cached:>11.0f} "
               f"{statistics.median(ttfts):>12.1f} {statistics.mean(ttfts):>13.1f}")
-    shared = [o for o in outcomes if o.request.engine == 1 and o.category == "CPU hit"]
-    print(f"\n  engine-1 requests served from prefixes engine-0 computed: {len(shared)}")
+    first: dict[str, str] = {}
+    for o in outcomes:
+        first.setdefault(o.request.label.split()[0], o.engine)
+    shared = [o for o in outcomes if o.category == "CPU hit" and o.engine != first[o.request.label.split()[0]]]
+    exact = sum(o.predicted == o.gpu_cached + o.cpu_cached for o in outcomes)
+    print(f"\n  requests served from prefixes another engine computed: {len(shared)}")
+    print(f"  kv-router predicted the cached prefix exactly for {exact} of {len(outcomes)} requests")
     print("  blocks per source and tier, as a router rebuilds them from the bridge:")
     for (source, medium, group), n in sorted(sub.state.counts().items()):
         print(f"    {source:<22} {medium}  group {group}  {n:>5} blocks")

@@ -1,5 +1,6 @@
 """Brings the stack up as local processes: a private redis-server (unless a Redis URL is given),
-offloadd, kv-bridge and one engine, each checked for readiness, logs in the run directory."""
+offloadd, kv-bridge, two engines and kv-router in front of them, each checked for readiness,
+logs in the run directory."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ class StackConfig:
     num_gpu_blocks: int = 48
     topic: str = "kv-events"
     arena_dir: str = "/dev/shm"
+    num_engines: int = 2
+    """Engines started by ``up`` (kv-router sends requests to them)."""
+    router_policy: str = "kv"
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,13 @@ class Endpoints:
     bridge_replay: str
     bridge_metrics: str
     engines: tuple[str, ...]
+    """gRPC Generate targets."""
+    engine_urls: tuple[str, ...] = ()
+    """Base URLs of the engines' OpenAI HTTP APIs."""
+    router: str = ""
+    """Base URL of kv-router's OpenAI HTTP API (and its fleet page)."""
+    router_grpc: str = ""
+    """kv-router's gRPC Generate target."""
 
 
 def port_or_free(preferred: int) -> int:
@@ -88,7 +99,9 @@ class Stack:
             bridge_pub=f"tcp://127.0.0.1:{pub}", bridge_replay=f"tcp://127.0.0.1:{replay}",
             bridge_metrics=f"http://127.0.0.1:{bmetrics}/metrics", engines=(),
         )
-        self.add_engine()
+        for _ in range(cfg.num_engines):
+            self.add_engine()
+        self._start_router()
         return self.endpoints
 
     def add_engine(self) -> str:
@@ -96,15 +109,32 @@ class Stack:
         assert self.endpoints is not None, "up() first"
         n = self._engine_count
         self._engine_count += 1
-        port = port_or_free(50061 + n)
+        port, http = port_or_free(50061 + n), port_or_free(8001 + n)
         self.sup.start(f"engine-{n}", _py(
             "engine", "serve", f"--model={self.model_dir}", "--host=127.0.0.1", f"--port={port}",
+            f"--http-port={http}", "--served-model-name=demo",
             f"--engine-id=engine-{n}", f"--num-gpu-blocks={self.config.num_gpu_blocks}",
             f"--offloadd={self.endpoints.offloadd}", "--offload",
         ), ready=lambda: grpc_serving(f"127.0.0.1:{port}"), timeout_s=120)
         target = f"127.0.0.1:{port}"
-        self.endpoints = replace(self.endpoints, engines=(*self.endpoints.engines, target))
+        self.endpoints = replace(self.endpoints, engines=(*self.endpoints.engines, target),
+                                 engine_urls=(*self.endpoints.engine_urls, f"http://127.0.0.1:{http}"))
         return target
+
+    def _start_router(self) -> None:
+        """kv-router in front of the engines, following the bridge."""
+        assert self.endpoints is not None
+        ep = self.endpoints
+        port, grpc_port = port_or_free(8100), port_or_free(50070)
+        engines = [f"--engine=engine-{n}={url},grpc={target}"
+                   for n, (url, target) in enumerate(zip(ep.engine_urls, ep.engines, strict=True))]
+        self.sup.start("kv-router", _py(
+            "router.main", "--host=127.0.0.1", f"--port={port}", f"--grpc-port={grpc_port}", *engines,
+            f"--policy={self.config.router_policy}", f"--bridge-pub={ep.bridge_pub}",
+            f"--bridge-replay={ep.bridge_replay}", f"--topic={self.config.topic}",
+            f"--model={self.model_dir}", "--served-model-name=demo",
+        ), ready=lambda: http_ok(f"http://127.0.0.1:{port}/health"))
+        self.endpoints = replace(ep, router=f"http://127.0.0.1:{port}", router_grpc=f"127.0.0.1:{grpc_port}")
 
     def down(self) -> None:
         self.sup.stop_all()

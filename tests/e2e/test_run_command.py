@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import openai
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,17 +52,22 @@ def test_run_command_demo_short(tmp_path: Path, command: list[str]) -> None:
     out = proc.stdout
     rows = {m.group(1): int(m.group(2)) for m in re.finditer(r"^  (miss|GPU hit|CPU hit)\s+(\d+)", out, re.M)}
     assert rows["miss"] > 0 and rows["GPU hit"] > 0 and rows["CPU hit"] > 0, out
-    shared = re.search(r"engine-1 requests served from prefixes engine-0 computed: (\d+)", out)
-    assert shared is not None and int(shared.group(1)) > 0, out
+    # every request went through kv-router, which says where and why; both engines served some
+    routed = re.findall(r"^  \[\s*\d+/\d+\] \S+ \S+\s+-> (engine-\d)\s+(\w+)", out, re.M)
+    assert {engine for engine, _ in routed} == {"engine-0", "engine-1"}, out
+    assert {"gpu_prefix", "no_prefix"} <= {reason for _, reason in routed}, out
+    assert re.search(r"requests served from prefixes another engine computed: \d+", out), out
+    exact = re.search(r"kv-router predicted the cached prefix exactly for (\d+) of (\d+) requests", out)
+    assert exact is not None and int(exact.group(1)) >= int(exact.group(2)) * 0.8, out
     # the router's view (bridge -> subscriber) shows both engines' GPU tiers and the CPU tier
     assert re.search(r"engine-0\s+GPU", out) and re.search(r"engine-1\s+GPU", out)
     assert re.search(r"offloadd\s+CPU\s+group 0\s+\d+ blocks", out)
     assert (run_dir / "demo-timeline.png").stat().st_size > 10_000
-    for name in ("redis", "offloadd", "kv-bridge", "engine-0", "engine-1"):
+    for name in ("redis", "offloadd", "kv-bridge", "engine-0", "engine-1", "kv-router"):
         assert (run_dir / f"{name}.log").exists(), name
     assert out.rstrip().endswith("kv-stack: stopped")
     started = _started(out)
-    assert set(started) == {"redis", "offloadd", "kv-bridge", "engine-0", "engine-1"}, out
+    assert set(started) == {"redis", "offloadd", "kv-bridge", "engine-0", "engine-1", "kv-router"}, out
     assert _alive(started) == []
 
 
@@ -85,7 +91,7 @@ def test_run_command_stops_everything_on_sigterm(tmp_path: Path) -> None:
                 break
         assert any("the stack is up" in line for line in lines), "".join(lines)
         started = _started("".join(lines))
-        assert set(started) == {"redis", "offloadd", "kv-bridge", "engine-0"}, "".join(lines)
+        assert set(started) == {"redis", "offloadd", "kv-bridge", "engine-0", "engine-1", "kv-router"}, "".join(lines)
         assert _alive(started) == list(started)
         _examples_work_against("".join(lines))
         proc.send_signal(signal.SIGTERM)
@@ -120,3 +126,9 @@ def _examples_work_against(banner: str) -> None:
     # the prompt's 2 full blocks are resident on engine-0's GPU tier and stored in the CPU tier
     assert re.search(r"^engine-0\s+GPU  2 blocks$", sub.stdout, re.M), sub.stdout
     assert re.search(r"^offloadd\s+CPU  2 blocks$", sub.stdout, re.M), sub.stdout
+    # and an OpenAI client through kv-router (after the counts above: this adds a block)
+    router_url = re.search(r"router\s+(\S+)/v1 \(OpenAI HTTP", banner)
+    assert router_url, banner
+    with openai.OpenAI(base_url=f"{router_url.group(1)}/v1", api_key="none", max_retries=0) as client:
+        out = client.completions.create(model="demo", prompt="Through the router", max_tokens=2)
+        assert out.usage is not None and out.usage.prompt_tokens == 18

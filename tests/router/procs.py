@@ -31,6 +31,7 @@ class Proc:
     def __init__(self, name: str, workdir: Path, args: list[str]) -> None:
         self.name = name
         self.port = free_port()
+        self.grpc_port = free_port()
         self.log_path = workdir / f"{name}.log"
         self.args = args
         self.proc: subprocess.Popen[bytes] | None = None
@@ -71,7 +72,7 @@ class Proc:
 
 def engine(workdir: Path, name: str, model: Path, offloadd: str | None, *, gpu_blocks: int = 64) -> Proc:
     p = Proc(name, workdir, [])
-    p.args = ["engine", "serve", f"--model={model}", "--host=127.0.0.1", f"--port={free_port()}",
+    p.args = ["engine", "serve", f"--model={model}", "--host=127.0.0.1", f"--port={p.grpc_port}",
               f"--http-port={p.port}", f"--engine-id={name}", f"--num-gpu-blocks={gpu_blocks}",
               "--served-model-name=tiny"]
     if offloadd:
@@ -81,6 +82,7 @@ def engine(workdir: Path, name: str, model: Path, offloadd: str | None, *, gpu_b
 
 def router(workdir: Path, engines: list[Proc], *extra: str) -> Proc:
     p = Proc("router", workdir, [])
-    p.args = ["router.main", "--host=127.0.0.1", f"--port={p.port}", "--served-model-name=tiny",
-              "--health-interval-s=0.3", *(f"--engine={e.name}={e.url}" for e in engines), *extra]
+    p.args = ["router.main", "--host=127.0.0.1", f"--port={p.port}", f"--grpc-port={p.grpc_port}",
+              "--served-model-name=tiny", "--health-interval-s=0.3",
+              *(f"--engine={e.name}={e.url},grpc=127.0.0.1:{e.grpc_port}" for e in engines), *extra]
     return p

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
+from kvcache.v1 import generate_pb2, generate_pb2_grpc
 
 from engine.model.checkpoint import TinyModelSpec, write_tiny_model
 from tests.router.procs import Proc, engine, get_json, router
@@ -141,6 +143,26 @@ def test_errors_come_back_in_openai_shape(fleet: Fleet) -> None:
     metrics = urllib.request.urlopen(f"{fleet.router.url}/metrics", timeout=5).read().decode()
     assert 'kv_router_decisions_total{engine="' in metrics and 'reason="gpu_prefix"' in metrics
     assert "kv_router_prediction_agreement" in metrics and "kv_router_engine_in_flight" in metrics
+
+
+def test_grpc_generate_through_the_router(fleet: Fleet) -> None:
+    holder = fleet.holder.get("doc") or pytest.skip("needs the first test's prefix")
+    with grpc.insecure_channel(f"127.0.0.1:{fleet.router.grpc_port}") as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        req = generate_pb2.GenerateRequest(text=DOC + "Question: over gRPC?", sampling=generate_pb2.SamplingParams(
+            max_tokens=3, ignore_eos=True))
+        out = list(stub.Generate(req, timeout=60))
+        assert out[-1].finished and sum(len(m.token_ids) for m in out) == 3
+        d = fleet.status()["decisions"][-1]
+        assert (d["engine"], d["reason"]) == (holder, "gpu_prefix")
+        assert out[-1].num_gpu_cached_tokens == d["predicted_cached_tokens"] == d["cached_tokens"] > 0
+        raw = channel.unary_stream("/kvcache.v1.Generate/Generate")
+        with pytest.raises(grpc.RpcError) as err:
+            list(raw(b"\xff\xff garbage", timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as err:  # the engine's refusal, passed on
+            list(stub.Generate(generate_pb2.GenerateRequest(text="z" * 3000), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "too long" in (err.value.details() or "")
 
 
 def test_a_dead_engine_is_taken_out_and_its_request_retried(fleet: Fleet) -> None:
