@@ -16,8 +16,10 @@ Errors answer 400 with ``{"error": {"message", "type"}}``.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import signal
 import socket
+import sys
 from importlib.resources import files
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
     span = f"offsets {seekable.start}..{seekable.last}" + (f", {view.note}" if view.note else "")
     print(f"kvctl: {args.log}: {len(seekable.records)} records ({span})")
     print(f"kvctl: serving http://{shown}:{port}/ (Ctrl-C stops)", flush=True)
+    if not ipaddress.ip_address(host).is_loopback:
+        print(f"kvctl: warning: {host} is reachable from other machines and the page has no "
+              "authentication: anyone who reaches it reads the log's sources and hashes",
+              file=sys.stderr)
     serve(build_app(seekable, args.log), sock)
     return 0
 
