@@ -9,6 +9,7 @@ from typing import Literal
 
 from bridge.errors import BridgeConfigError
 from events.logkeys import LogKeys
+from rpc import redis_connect
 
 Layout = Literal["map", "legacy"]
 StartAt = Literal["resume", "head", "beginning"]
@@ -60,6 +61,7 @@ class BridgeConfig:
     def __post_init__(self) -> None:
         try:
             LogKeys(self.namespace)  # validates the namespace
+            redis_connect.parse(self.redis_url)
         except ValueError as exc:
             raise BridgeConfigError(str(exc)) from None
         if self.layout not in ("map", "legacy"):
@@ -105,7 +107,9 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "can also be set as KVB_<NAME> in the environment (the Redis URL as REDIS_URL).",
     )
     p.add_argument("--redis-url", default=env.get("REDIS_URL", d.redis_url),
-                   help="Redis holding the log (credentials go in the URL; env REDIS_URL)")
+                   help="Redis holding the log (credentials go in the URL; env REDIS_URL): "
+                   "redis://host:port/db, a Cluster's seed nodes redis+cluster://host:port,host:port "
+                   "or Sentinel's redis+sentinel://host:port/service")
     p.add_argument("--namespace", default=e("NAMESPACE", d.namespace),
                    help="deployment namespace: the daemon's key prefix kvd:{namespace}:")
     p.add_argument("--name", default=e("NAME", d.name), help="names the saved seq position")

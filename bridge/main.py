@@ -23,19 +23,15 @@ from bridge.metrics import BridgeMetrics, Health, MetricsServer
 from bridge.position import PositionStore
 from bridge.publisher import Bridge
 from events.logreader import LogReader
+from rpc.redis_connect import TRANSIENT, connect
 
-REDIS_TRANSIENT: tuple[type[BaseException], ...] = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    redis.BusyLoadingError,
-    OSError,
-)
+REDIS_TRANSIENT: tuple[type[BaseException], ...] = (*TRANSIENT, redis.BusyLoadingError)
 
 log = logging.getLogger("kvbridge")
 
 
 def build(config: BridgeConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> Bridge:
-    client = redis.Redis.from_url(
+    client = connect(
         config.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0, health_check_interval=10
     )
     reader = LogReader(client, config.keys, REDIS_TRANSIENT)

@@ -201,7 +201,8 @@ def say(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import redis  # lazy: only this mode needs it
+    from rpc import redis_connect  # lazy: only the Redis source needs redis
+
 
     if args.out == "-":
         raise KvctlError("with --log, -o names the archive directory ('-' is not one)")
@@ -212,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise KvctlError(str(exc)) from None
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    client = redis.Redis.from_url(args.log, socket_connect_timeout=3.0, socket_timeout=30.0)
+    client = redis_connect.connect(args.log, socket_connect_timeout=3.0, socket_timeout=30.0)
     archiver = Archiver(args, client, keys)
     previous = signal.signal(signal.SIGTERM, archiver.stop)
     try:

@@ -40,7 +40,7 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
 
 
 def is_redis(spec: str) -> bool:
-    return spec.startswith(("redis://", "rediss://", "unix://"))
+    return spec.startswith(("redis://", "rediss://", "unix://", "redis+", "rediss+"))
 
 
 def iter_records(
@@ -136,9 +136,10 @@ def _keys(namespace: str) -> LogKeys:
 
 
 def _client(url: str) -> Any:
-    import redis  # lazy: only the Redis source needs it
+    from rpc import redis_connect  # lazy: only the Redis source needs redis
 
-    return redis.Redis.from_url(url, socket_connect_timeout=3.0, socket_timeout=30.0)
+
+    return redis_connect.connect(url, socket_connect_timeout=3.0, socket_timeout=30.0)
 
 
 def _from_file(

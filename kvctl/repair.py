@@ -41,11 +41,13 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import redis  # lazy, like every Redis source of kvctl
 
+    from rpc import redis_connect
+
     try:
         keys = LogKeys(args.namespace)
     except ValueError as exc:
         raise KvctlError(str(exc)) from None
-    client: Any = redis.Redis.from_url(args.log, socket_connect_timeout=3.0, socket_timeout=30.0)
+    client: Any = redis_connect.connect(args.log, socket_connect_timeout=3.0, socket_timeout=30.0)
     try:
         owner = client.get(keys.owner) if client.type(keys.owner) == b"string" else None
         if owner is not None and not args.force:

@@ -51,11 +51,13 @@ def run(args: argparse.Namespace) -> int:
 def _tail_log(args: argparse.Namespace) -> int:
     import redis  # lazy: only this mode needs it
 
+    from rpc import redis_connect
+
     try:
         keys = LogKeys(args.namespace)
     except ValueError as exc:
         raise KvctlError(str(exc)) from None
-    client = redis.Redis.from_url(args.log, socket_connect_timeout=3.0, socket_timeout=30.0)
+    client = redis_connect.connect(args.log, socket_connect_timeout=3.0, socket_timeout=30.0)
     reader = LogReader(client, keys, (redis.ConnectionError, redis.TimeoutError, OSError))
     deadline = None if args.duration is None else time.monotonic() + args.duration
     shown = 0

@@ -92,11 +92,13 @@ def _redis_records(
     to ``problems`` instead."""
     import redis  # lazy: only the Redis source needs it
 
+    from rpc import redis_connect
+
     try:
         keys = LogKeys(args.namespace)
     except ValueError as exc:
         raise KvctlError(str(exc)) from None
-    client = redis.Redis.from_url(args.log, socket_connect_timeout=3.0, socket_timeout=30.0)
+    client = redis_connect.connect(args.log, socket_connect_timeout=3.0, socket_timeout=30.0)
     reader = LogReader(client, keys, (redis.ConnectionError, redis.TimeoutError, OSError))
     last = 0
     try:

@@ -24,6 +24,7 @@ from typing import Final, Literal
 from events.hashing import DIGEST_BYTES, HASH_ALGOS, HashAlgo
 from events.logkeys import LogKeys
 from offloadd.errors import OffloaddError
+from rpc import redis_connect
 from rpc.tls import SecurityConfigError, check_server_tls
 
 Eviction = Literal["lru", "arc"]
@@ -60,6 +61,15 @@ class OffloaddConfig:
     metrics_port: int = 9400
     """Prometheus /metrics port; 0 picks a free one, -1 disables it."""
     redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis deployment: redis://host:port/db, rediss://..., unix:///path, a Cluster's seed
+    nodes redis+cluster://host:port[,host:port...], or Sentinel's
+    redis+sentinel://host:port[,host:port...]/service (rpc.redis_connect)."""
+    redis_wait_replicas: int = 0
+    """Acknowledge a log write only once this many replicas have it (Redis WAIT after each
+    write); 0 = once the primary has it, so a failover may lose the newest writes: the daemon
+    then ends the log and a new epoch starts (DECISIONS 35)."""
+    redis_wait_timeout_ms: int = 1000
+    """How long a write waits for those replicas; past it the write is in doubt (UNAVAILABLE)."""
     redis_timeout_s: float = 2.0
     """Socket timeout for every Redis call; past it the call is refused with UNAVAILABLE."""
     namespace: str = "default"
@@ -119,6 +129,15 @@ class OffloaddConfig:
             LogKeys(self.namespace)
         except ValueError as exc:
             raise ConfigError(f"namespace: {exc}") from exc
+        try:
+            redis_connect.parse(self.redis_url)
+        except ValueError as exc:
+            raise ConfigError(f"redis_url: {exc}") from exc
+        if self.redis_wait_replicas < 0:
+            raise ConfigError(f"redis_wait_replicas: must be >= 0, got {self.redis_wait_replicas}")
+        if self.redis_wait_replicas and not 0 < self.redis_wait_timeout_ms < self.redis_timeout_s * 1000:
+            raise ConfigError("redis_wait_timeout_ms: must be > 0 and below redis_timeout_s "
+                              f"({self.redis_timeout_s * 1000:.0f} ms), got {self.redis_wait_timeout_ms}")
         if self.capacity_bytes <= 0:
             raise ConfigError(f"capacity_bytes: must be > 0, got {self.capacity_bytes}")
         if self.chunk_bytes <= 0:

@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 
 import grpc
-import redis.asyncio as aioredis
 from grpc_health.v1 import _async as health_aio  # the public alias health.aio is untyped
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -29,6 +28,7 @@ from offloadd.config import OffloaddConfig
 from offloadd.edge.service import Servicers
 from offloadd.log.checkpoint import Checkpointer
 from offloadd.log.ingest import Ingest
+from offloadd.log.legacy_keys import migrate_legacy_keys
 from offloadd.log.liveness import Liveness
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
 from offloadd.log.owner import OwnerLease
@@ -38,6 +38,7 @@ from offloadd.tier.source import DAEMON_SOURCE
 from offloadd.tier.store import HostStore
 from offloadd.tier.writes import StoreWriter
 from rpc.auth import AioTokenInterceptor
+from rpc.redis_connect import connect_async
 from rpc.tls import read_token, server_credentials
 
 log = logging.getLogger(__name__)
@@ -66,12 +67,14 @@ class Daemon:
         token = read_token(config.auth_token_file) if config.auth_token_file else None
         self._tls = (server_credentials(config.tls_cert_file, config.tls_key_file,
                                         config.tls_client_ca_file) if config.is_tls else None)
-        self.redis = aioredis.Redis.from_url(
+        self.redis = connect_async(
             config.redis_url, socket_timeout=config.redis_timeout_s,
             socket_connect_timeout=config.redis_timeout_s, retry=Retry(NoBackoff(), 0),
         )
         self.state = CacheState()
         self.metadata = MetadataStore(self.redis, config.keys, self.state)
+        if config.redis_wait_replicas:
+            self.metadata.wait_for_replicas(config.redis_wait_replicas, config.redis_wait_timeout_ms)
         self.owner = OwnerLease(self.redis, config.keys, config.owner_lease_s)
         self.store = HostStore(config, self.metadata, self.state)
         self.writer = StoreWriter(self.store)
@@ -104,6 +107,7 @@ class Daemon:
     async def start(self) -> Ports:
         # Own the namespace before reading it: a second daemon stops here (NamespaceOwned).
         # Renewal starts at once, so a long recovery cannot outlive the lease.
+        await migrate_legacy_keys(self.redis, self.config.keys)
         self.metadata.owner = await self.owner.acquire()
         self.metadata.retake_owner = self.owner.retake
         self._owner_keeper = asyncio.create_task(self.owner.keep(self.on_fatal, self.metadata.refence))

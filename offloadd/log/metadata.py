@@ -38,7 +38,10 @@ from events.schema import Event, LogRecord, SchemaError
 from events.state import CacheState
 from offloadd.errors import ForeignData, OffloaddError
 from offloadd.log import projection
+from offloadd.log.failover import end_rewound_log
 from offloadd.log.projection import EngineRecord, LayoutRecord, Pipe, ProjectedBlock
+from offloadd.log.replica_wait import WaitedScript
+from rpc.redis_connect import client_url
 
 log = logging.getLogger(__name__)
 
@@ -254,12 +257,16 @@ class MetadataStore:
         self._writer: asyncio.Task[None] | None = None
         self._in_doubt: _Batch | None = None
         self._appended = asyncio.Event()
-        self._script = client.register_script(_WRITE)
+        self._script: Any = client.register_script(_WRITE)
         self._trim = client.register_script(_TRIM)
         self._set_epoch = client.register_script(_SET_EPOCH)
         self.owner = ""  # the owner lease value every write is fenced by ('' = unchecked)
         # Takes the owner lease again when it ran out with nobody taking it (offloadd.log.owner)
         self.retake_owner: Callable[[], Awaitable[str]] | None = None
+
+    def wait_for_replicas(self, replicas: int, timeout_ms: int) -> None:
+        """Acknowledge appends only once ``replicas`` replicas have them (DECISIONS 35)."""
+        self._script = WaitedScript(self.client, self._script, replicas, timeout_ms)
 
     @property
     def is_in_doubt(self) -> bool:
@@ -389,6 +396,8 @@ class MetadataStore:
         detail = [d.decode(errors="replace") if isinstance(d, bytes) else str(d) for d in reply[1:]]
         k = self.keys
         if code == "head":
+            if detail[0].isdigit() and int(detail[0]) < self.head:  # a failover lost records
+                raise LogConflict(await end_rewound_log(self.client, k, self.owner, int(detail[0]), self.head))
             raise LogConflict(f"log head moved past {self.head} under the daemon (it is {detail[0]})")
         if code == "owner":
             now = f"token {detail[0].split(':', 1)[0]}" if detail[0] else "none"
@@ -418,9 +427,7 @@ class MetadataStore:
 
     def repair_hint(self) -> str:
         """The kvctl commands that inspect and repair this namespace's keys."""
-        kw = self.client.connection_pool.connection_kwargs
-        url = (f"unix://{kw['path']}" if "path" in kw
-               else f"redis://{kw.get('host', '127.0.0.1')}:{kw.get('port', 6379)}/{kw.get('db', 0)}")
+        url = client_url(self.client)
         ns = self.keys.namespace
         return (f"inspect with 'kvctl verify {url} --namespace {ns}', remove foreign data with "
                 f"'kvctl repair {url} --namespace {ns} --drop-foreign'")
@@ -468,6 +475,8 @@ class MetadataStore:
         elif not found and head == self.head:
             for _, _, item in reversed(batch):
                 _revert(item)  # one revert that raises must not leak the others' slots
+        elif head < self.head:  # a failover lost acknowledged records too
+            raise LogConflict(await end_rewound_log(self.client, self.keys, self.owner, head, self.head))
         else:
             raise LogConflict(f"log at offsets {first}..{last} is not what the daemon wrote "
                               f"(head {head})")

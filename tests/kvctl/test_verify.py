@@ -9,6 +9,7 @@ import pytest
 import redis
 
 from events.codec_jsonl import dump_records
+from events.logkeys import LogKeys
 from events.schema import BlockRemoved, BlockStored, LogRecord
 from kvctl.main import main as kvctl
 from tests.support.bridge_proc import FleetSimulator, LogWriter
@@ -98,14 +99,14 @@ def test_verify_names_entries_that_are_not_records(
     a head key that does not name the last record is one more."""
     client = redis.Redis.from_url(redis_url)
     FleetSimulator(["engine-a"], seed=3).write(LogWriter(client), 5)
-    client.xadd("kvd:default:log", {"x": "1"}, id="6-0")
-    client.xadd("kvd:default:log", {"r": b"\xc1"}, id="7-1")
+    client.xadd(LogKeys().log, {"x": "1"}, id="6-0")
+    client.xadd(LogKeys().log, {"r": b"\xc1"}, id="7-1")
     assert kvctl(["verify", redis_url]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "verify: FAILED: 2 problems in 5 records, last offset 5, 1 sources"
     assert "  offset 6 source ?: log entry 6-0: no field b'r' (fields [b'x'])" in out
     assert "  offset 7 source ?: log entry 7-1: not a record's entry ID (want OFFSET-0)" in out
-    client.set("kvd:default:head", 9)
+    client.set(LogKeys().head, 9)
     client.close()
     assert kvctl(["verify", redis_url, "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
