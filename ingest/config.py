@@ -51,7 +51,7 @@ class IngestConfig:
     offloadd_token_file: str | None = None
     """File holding offloadd's bearer token; None: no token."""
     metrics_host: str = "0.0.0.0"
-    metrics_port: int = 9402
+    metrics_port: int = 9404
     """Port of ``/metrics`` and ``/healthz`` (0 = any free port, logged at start)."""
     replay_timeout_s: float = 2.0
     """How long a replay request may take before the publisher counts as unreachable."""

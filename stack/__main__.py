@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", type=int, default=2, help="engines behind kv-router")
     p.add_argument("--policy", default="kv", choices=["kv", "round-robin", "least-loaded", "random"],
                    help="kv-router's routing policy")
+    p.add_argument("--vllm-demo", action="store_true",
+                   help="also a vLLM-style engine (ZMQ publisher) followed by kv-ingest into the log")
     p.add_argument("--no-demo", action="store_true", help="start the stack only")
     p.add_argument("--short", action="store_true", help="a shorter demo workload")
     return p
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir=run_dir, redis_url=args.redis_url, namespace=args.namespace,
         model_dir=Path(args.model).resolve() if args.model else None, hybrid=args.hybrid,
         arena_bytes=args.arena_bytes, num_gpu_blocks=args.gpu_blocks, arena_dir=args.arena_dir,
-        num_engines=args.engines, router_policy=args.policy,
+        num_engines=args.engines, router_policy=args.policy, vllm_demo=args.vllm_demo,
     )
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
@@ -72,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
               + "".join(f"\n  engine-{n}  {target} (gRPC Generate)  {url} (OpenAI HTTP)"
                         for n, (target, url) in enumerate(zip(ep.engines, ep.engine_urls, strict=True)))
               + f"\n  router    {ep.router}/v1 (OpenAI HTTP, policy {config.router_policy})  page {ep.router}/"
-              f"\n            {ep.router_grpc} (gRPC Generate)\n",
+              f"\n            {ep.router_grpc} (gRPC Generate)"
+              + (f"\n  vllm-demo {ep.vllm_demo} (vLLM-style publisher) -> kv-ingest (metrics "
+                 f"{ep.ingest_metrics}) -> the log as source 'vllm-demo'" if ep.vllm_demo else "")
+              + "\n",
               flush=True)
         if not args.no_demo:
             from stack.demo import run_demo

@@ -30,6 +30,9 @@ class StackConfig:
     num_engines: int = 2
     """Engines started by ``up`` (kv-router sends requests to them)."""
     router_policy: str = "kv"
+    vllm_demo: bool = False
+    """Also start a vLLM-style engine (ingest.demo_engine) and kv-ingest following it into the
+    log as the source ``vllm-demo``."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,9 @@ class Endpoints:
     """Base URL of kv-router's OpenAI HTTP API (and its fleet page)."""
     router_grpc: str = ""
     """kv-router's gRPC Generate target."""
+    vllm_demo: str = ""
+    """The vLLM-style engine's PUB endpoint, when started; kv-ingest's metrics beside it."""
+    ingest_metrics: str = ""
 
 
 def port_or_free(preferred: int) -> int:
@@ -102,7 +108,22 @@ class Stack:
         for _ in range(cfg.num_engines):
             self.add_engine()
         self._start_router()
+        if cfg.vllm_demo:
+            self._start_vllm_demo()
         return self.endpoints
+
+    def _start_vllm_demo(self) -> None:
+        """A vLLM-style engine's ZMQ publisher and kv-ingest appending it to the log."""
+        assert self.endpoints is not None
+        pub, replay, metrics = port_or_free(5567), port_or_free(5568), port_or_free(9404)
+        pub_ep, replay_ep = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+        self.sup.start("vllm-demo", _py("ingest.demo_engine", f"--pub={pub_ep}", f"--replay={replay_ep}"))
+        self.sup.start("kv-ingest", _py(
+            "ingest", f"--offloadd={self.endpoints.offloadd}", f"--vllm=vllm-demo={pub_ep},replay={replay_ep}",
+            "--metrics-host=127.0.0.1", f"--metrics-port={metrics}",
+        ), ready=lambda: http_ok(f"http://127.0.0.1:{metrics}/healthz"))
+        self.endpoints = replace(self.endpoints, vllm_demo=pub_ep,
+                                 ingest_metrics=f"http://127.0.0.1:{metrics}/metrics")
 
     def add_engine(self) -> str:
         """Start one more engine attached to the daemon; return its gRPC target."""

@@ -66,3 +66,19 @@ def test_cli_help_and_errors_without_traceback(tmp_path: Path) -> None:
         done = _cli(*args)
         assert done.returncode == 2, done.stderr
         assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_compose_profile_runs_kv_ingest_with_flags_it_parses() -> None:
+    import yaml
+
+    services = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+    ingest, demo = services["kv-ingest"], services["vllm-demo"]
+    assert ingest["profiles"] == demo["profiles"] == ["vllm"]
+    config = config_from_args(ingest["command"][1:], {})
+    (source,) = config.sources
+    assert (source.name, source.pub, source.replay) == (
+        "vllm-demo", "tcp://vllm-demo:5567", "tcp://vllm-demo:5568")
+    assert config.offloadd == "offloadd:50051"
+    assert ingest["ports"] == [f"{config.metrics_port}:{config.metrics_port}"]
+    assert f"localhost:{config.metrics_port}/healthz" in " ".join(ingest["healthcheck"]["test"])
+    assert "--pub=tcp://*:5567 --replay=tcp://*:5568" in demo["command"][-1]
