@@ -9,6 +9,7 @@ from ingest.vllm_publisher import VllmStylePublisher
 from offloadd.client import OffloadClient
 from tests.ingest.conftest import stored, view_is, wait_for
 from tests.support.ingest_proc import IngestProcess, vllm_endpoints
+from tests.support.offloadd_proc import DaemonProcess
 
 
 def test_garbage_is_counted_logged_once_per_kind_and_never_fatal(
@@ -83,3 +84,25 @@ def _published_until_seen(vllm: VllmStylePublisher, client: OffloadClient) -> bo
     """PUB/SUB drops what is sent before the subscription is in place: send until seen."""
     vllm.publish([stored(10)])
     return view_is(client, {("pod-a", "GPU", 0): frozenset({10})})()
+
+
+def test_offloadd_down_is_unhealthy_and_nothing_is_lost_when_it_is_back(
+    daemon: DaemonProcess, client: OffloadClient, publishers: list[VllmStylePublisher],
+    start_ingest: Callable[..., IngestProcess],
+) -> None:
+    pub, replay = vllm_endpoints()
+    vllm = VllmStylePublisher(pub, replay)
+    publishers.append(vllm)
+    ingest = start_ingest(f"pod-a={pub},replay={replay}")
+    vllm.publish([stored(1)])
+    wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({1})}), what="the first batch")
+    daemon.kill()
+    vllm.publish([stored(2, parent=1)])
+    vllm.publish([stored(3, parent=2)])
+    wait_for(lambda: ingest.health()[0] == 503, what="unhealthy while offloadd is down")
+    assert ingest.health()[1]["publishers"]["pod-a"]["offloadd_connected"] is False
+    daemon.restart()  # warm: the same log
+    with OffloadClient(daemon.target) as again:
+        wait_for(view_is(again, {("pod-a", "GPU", 0): frozenset({1, 2, 3})}), timeout_s=20,
+                 what="the batches sent while offloadd was down")
+    wait_for(lambda: ingest.health()[0] == 200, what="healthy again")
