@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.model import fused
 from engine.model.config import ModelConfig
 
 
@@ -29,11 +30,22 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False
+        """One Triton kernel (engine.model.fused) where the input can take it."""
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused and x.dim() == 2 and fused.available(x):
+            return fused.rms_norm(x, self.weight, self.eps)[1]
         # Normalise in float32 like the reference, then scale in the model dtype (one fused
         # kernel for the normalisation where torch has one).
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def add_forward(self, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+        """``(x + h, self(x + h))``: the residual add and the norm after it, in one kernel."""
+        if self.fused and x.dim() == 2 and fused.available(x) and fused.available(h):
+            return fused.rms_norm(x, self.weight, self.eps, residual_in=h)
+        s = x + h
+        return s, self(s)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
@@ -56,11 +68,13 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     return inv
 
 
-def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, use_fused: bool = False) -> Tensor:
     """Rope: ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) * sin`` as the halves of
     ``x`` swapped times ``signed_sin`` (sin with its first half negated; both halves of sin are
     equal). Negation is exact, so this is bit for bit the reference's result, in one kernel
-    fewer (roll, not neg + cat)."""
+    fewer (roll, not neg + cat); ``use_fused``: in one Triton kernel where ``x`` can take it."""
+    if use_fused and fused.rope_usable(x):
+        return fused.rope(x, cos, signed_sin)
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
@@ -76,6 +90,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=False)
         self.qkv: tuple[Tensor, Tensor | None] | None = None
         """After :func:`fuse_projections`: q, k and v weights (and biases) as one matrix."""
+        self.fused = False
+        """Rope in one Triton kernel (engine.model.fused) where the input can take it."""
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         t = x.shape[0]
@@ -84,7 +100,7 @@ class Attention(nn.Module):
             qkv = F.linear(x, *self.qkv)
             # Rope on q and k at once (the same elementwise ops on every head, half the kernels).
             qk = qkv[:, : nq + nkv].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = _rotate(qk, cos, sin)
+            qk = _rotate(qk, cos, sin, self.fused)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, nq + nkv :].view(t, self.num_kv_heads, self.head_dim)
         else:
@@ -105,10 +121,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up: Tensor | None = None
         """After :func:`fuse_projections`: gate and up weights as one matrix."""
+        self.fused = False
+        """``silu(gate) * up`` in one Triton kernel (engine.model.fused) where it can run."""
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up is not None:
-            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            gate_up = F.linear(x, self.gate_up)
+            if self.fused and fused.available(gate_up):
+                return self.down_proj(fused.silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -122,8 +143,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), cos, sin, attn))
+        return x + self.mlp(h)
 
 
 class LlamaBody(nn.Module):
@@ -180,6 +201,14 @@ def fuse_projections(model: LlamaForCausalLM) -> None:
             module.qkv = (w, bias)
         elif isinstance(module, MLP):
             module.gate_up, _ = _fuse(module.gate_proj, module.up_proj)
+
+
+def enable_fused_kernels(model: LlamaForCausalLM, on: bool = True) -> None:
+    """Norms, rope and SwiGLU through engine.model.fused where the tensors can take it (CUDA
+    with Triton); elsewhere, and with ``on=False``, the eager formulas run."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm | Attention | MLP):
+            module.fused = on
 
 
 def _fuse(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:

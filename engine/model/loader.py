@@ -8,7 +8,12 @@ import torch
 from safetensors.torch import load_file
 
 from engine.model.config import ModelConfig, ModelConfigError, load_model_config
-from engine.model.llama import LlamaForCausalLM, fuse_projections, rope_inv_freq
+from engine.model.llama import (
+    LlamaForCausalLM,
+    enable_fused_kernels,
+    fuse_projections,
+    rope_inv_freq,
+)
 
 
 def load_model(
@@ -42,6 +47,7 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
     fuse_projections(model)
+    enable_fused_kernels(model)  # CUDA with Triton; the eager formulas elsewhere
     return model.eval()
 
 

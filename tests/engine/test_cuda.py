@@ -65,3 +65,68 @@ def test_cuda_graph_replay_matches_eager_steps(request: pytest.FixtureRequest, w
         assert a.num_cached_tokens == b.num_cached_tokens
         torch.testing.assert_close(torch.stack(b.outputs[0].logits), torch.stack(a.outputs[0].logits),
                                    atol=1e-3, rtol=1e-3)
+
+
+_ULP = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_kernels_match_eager_formulas(dtype: torch.dtype) -> None:
+    """engine.model.fused against the eager formulas it replaces, on shapes with ragged edges
+    (a hidden size that is no power of two, a strided slice of the fused qkv for rope)."""
+    pytest.importorskip("triton")
+    import torch.nn.functional as F
+
+    from engine.model import fused
+    from engine.model.llama import RMSNorm, _rotate
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, h = (torch.randn(37, 320, device="cuda", generator=g).to(dtype) for _ in range(2))
+    norm = RMSNorm(320, 1e-5).to("cuda", dtype)
+    norm.weight.data.uniform_(0.5, 1.5, generator=g)
+    s, y = fused.rms_norm(x, norm.weight, 1e-5, residual_in=h)
+    assert torch.equal(s, x + h)
+    tol = _ULP[dtype]
+    torch.testing.assert_close(y, norm(x + h), atol=tol, rtol=tol)
+    torch.testing.assert_close(fused.rms_norm(x, norm.weight, 1e-5)[1], norm(x), atol=tol, rtol=tol)
+    gate_up = torch.randn(37, 2 * 1100, device="cuda", generator=g).to(dtype) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(fused.silu_mul(gate_up), F.silu(gate) * up, atol=tol, rtol=tol)
+    qkv = torch.randn(37, (6 + 2 * 3) * 64, device="cuda", generator=g).to(dtype)
+    qk = qkv[:, : 9 * 64].view(37, 9, 64)  # row stride of the whole qkv, as the model's slice
+    assert fused.rope_usable(qk)
+    angles = torch.rand(37, 1, 32, device="cuda", generator=g) * 100
+    cos = torch.cat((angles, angles), -1).cos().to(dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
+    torch.testing.assert_close(fused.rope(qk, cos, sin), _rotate(qk, cos, sin), atol=tol, rtol=tol)
+    empty = x[:0]
+    assert fused.rms_norm(empty, norm.weight, 1e-5)[1].shape == (0, 320)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_model_is_as_close_to_float32_as_eager(plain_model: Path, dtype: torch.dtype) -> None:
+    """The whole forward with the fused kernels on (the default on CUDA) and off, each against
+    the float32 forward: the kernels round where the eager ops round, so their error must be
+    the eager path's (one-ulp differences in float32 exp/sqrt flip a half-precision rounding
+    now and then, hence the margin, not equality)."""
+    pytest.importorskip("triton")
+    from engine.model.llama import enable_fused_kernels
+    from engine.model.loader import load_model
+
+    ids = torch.randint(0, 256, (2 * 70,), generator=torch.Generator().manual_seed(2)).cuda()
+    pos = torch.arange(70, device="cuda").repeat(2)
+
+    def logits(model: torch.nn.Module) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, pos, DenseCausalAttention(2))).float()
+
+    reference = load_model(plain_model, "cuda", torch.float32)
+    enable_fused_kernels(reference, False)
+    ref = logits(reference)
+    model = load_model(plain_model, "cuda", dtype)
+    err = {}
+    for on in (True, False):
+        enable_fused_kernels(model, on)
+        err[on] = (logits(model) - ref).abs().mean().item()
+    assert err[True] <= 1.25 * err[False] + 1e-4, err
+    torch.testing.assert_close(logits(model), ref, atol=0.15, rtol=0.1)
