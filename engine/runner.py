@@ -138,11 +138,17 @@ def _paged(cache: Tensor, li: int, q: Tensor, p: PagedInputs) -> Tensor:
 
 
 class _Upload:
-    """Collects a step's host index tensors and moves them to the device in one pinned copy."""
+    """Collects a step's host index tensors and moves them to the device in one copy, through
+    a pinned staging buffer the runner keeps (pinning a fresh tensor each step cost ~1-6 ms)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.parts: list[Tensor] = []
+        self._staging: Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def begin(self) -> None:
+        self.parts = []
 
     def add(self, x: Tensor) -> int:
         self.parts.append(x)
@@ -151,14 +157,44 @@ class _Upload:
     def send(self) -> list[Tensor]:
         if self.device.type != "cuda":
             return self.parts
-        flat = torch.cat([x.reshape(-1).to(torch.long) for x in self.parts]).pin_memory()
-        dev = flat.to(self.device, non_blocking=True)
+        n = sum(x.numel() for x in self.parts)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy has read the staging buffer
+        if self._staging is None or self._staging.numel() < n:
+            self._staging = torch.empty(max(n, 2 * self._staging.numel() if self._staging is not None else 4096),
+                                        dtype=torch.long, pin_memory=True)
+        staged = self._staging[:n]
+        torch.cat([x.reshape(-1).to(torch.long) for x in self.parts], out=staged)
+        dev = staged.to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
         out, off = [], 0
         for x in self.parts:
             part = dev[off : off + x.numel()].view(x.shape)
             out.append(part if x.dtype == torch.long else part.to(x.dtype))
             off += x.numel()
         return out
+
+
+def _positions(meta: Tensor, batch: int, total: int) -> tuple[Tensor, Tensor]:
+    """Each token's position and request row, ``[T]`` each, from ``meta`` = starts then
+    lengths of the step's requests (on the device: no host work per token)."""
+    dev = meta.device
+    starts, lens = meta[:batch], meta[batch:]
+    if batch == 1:
+        return starts + torch.arange(total, device=dev), torch.zeros(total, dtype=torch.long, device=dev)
+    row = torch.repeat_interleave(torch.arange(batch, device=dev), lens, output_size=total)
+    first = torch.cumsum(lens, 0) - lens  # each request's first token in the flat batch
+    return torch.arange(total, device=dev) - first[row] + starts[row], row
+
+
+def _write_rows(bt: Tensor, row: Tensor, positions: Tensor, layers: int, bs: int) -> Tensor:
+    """``[L, 2, T]``: the flat cache row of each token's K (0) and V (1) in each of the group's
+    layers, ``((block * L + l) * 2 + kv) * bs + offset``."""
+    dev = bt.device
+    base = bt[row, positions // bs] * (layers * 2 * bs) + positions % bs
+    per_layer = (torch.arange(layers, device=dev) * (2 * bs)).view(-1, 1, 1)
+    return base.view(1, 1, -1) + per_layer + (torch.arange(2, device=dev) * bs).view(1, 2, 1)
 
 
 def _new_token_ids(s: ScheduledRequest) -> list[int]:
@@ -178,6 +214,7 @@ class ModelRunner:
         self.model, self.groups, self.layer_slots, self.kv, self.device = model, groups, layer_slots, kv, device
         self.graphs = graphs
         self.block_size = kv.block_size
+        self._upload = _Upload(device)
         # Keys per row rounded up to a multiple of 64 (and whole blocks): aligned for the
         # memory-efficient kernel's mask, and few shapes.
         self._blocks_multiple = 64 // math.gcd(64, self.block_size)
@@ -208,39 +245,41 @@ class ModelRunner:
         bs = self.block_size
         starts = [s.start for s in sched]
         lens = [s.num_new_tokens for s in sched]
-        batch = len(sched)
-        positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lens, strict=True)])
+        batch, total = len(sched), sum(lens)
         ids: list[int] = []
         for s in sched:
             ids.extend(_new_token_ids(s))
         offsets = [0]
         for n in lens:
             offsets.append(offsets[-1] + n)
-        row = torch.repeat_interleave(torch.arange(batch), torch.tensor(lens))
-        up = _Upload(self.device)
-        i_ids, i_pos = up.add(torch.tensor(ids, dtype=torch.long)), up.add(positions)
+        # Only what the host knows goes up (ids, starts and lengths, block tables); positions
+        # and each token's cache rows are derived on the device: for a long prefill they are
+        # ~100k indices that took milliseconds to build and copy from here.
+        up = self._upload
+        up.begin()
+        i_ids = up.add(torch.tensor(ids, dtype=torch.long))
+        i_meta = up.add(torch.tensor(starts + lens, dtype=torch.long))
         i_ends = up.add(torch.tensor([offsets[i + 1] - 1 for i in sample_rows], dtype=torch.long))
         plans: list[tuple[int, list[tuple[int, int]], dict[str, int] | None]] = []
         for group in self.groups:
             tables = [self.kv.block_table(s.request.request_id)[group.spec.group_idx] for s in sched]
             width = max(len(t) for t in tables)
             bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-            layers = int(group.tensor.shape[1])
-            # Flat row of token t's K in layer l: ((block * L + l) * 2 + 0) * bs + offset.
-            base = bt[row, positions // bs] * (layers * 2 * bs) + positions % bs
-            rows = base[None, None, :] + (torch.arange(layers) * (2 * bs))[:, None, None] + torch.tensor([0, bs])[None, :, None]
-            i_rows = up.add(rows)
+            i_bt = up.add(bt)
             window = group.spec.sliding_window
             fresh = [st == 0 and (window is None or n <= window) for st, n in zip(starts, lens, strict=True)]
             spans = [(offsets[i], offsets[i + 1]) for i in range(batch) if fresh[i]]
             rest = [i for i in range(batch) if not fresh[i]]
             paged = self._paged_inputs(up, bt[rest], [starts[i] for i in rest], [lens[i] for i in rest],
                                        [offsets[i] for i in rest], window, all_paged=len(rest) == batch) if rest else None
-            plans.append((i_rows, spans, paged))
+            plans.append((i_bt, spans, paged))
         dev = up.send()
-        steps = [GroupStep(dev[i_rows], spans, self._finish_paged(dev, paged)) for i_rows, spans, paged in plans]
+        positions, row = _positions(dev[i_meta], batch, total)
+        steps = [GroupStep(_write_rows(dev[i_bt], row, positions, int(g.tensor.shape[1]), bs), spans,
+                           self._finish_paged(dev, paged))
+                 for g, (i_bt, spans, paged) in zip(self.groups, plans, strict=True)]
         attn = PagedAttention(self.groups, self.layer_slots, steps, wait)
-        hidden = self.model(dev[i_ids], dev[i_pos], attn)
+        hidden = self.model(dev[i_ids], positions, attn)
         return self.model.compute_logits(hidden[dev[i_ends]]).float()
 
     def _paged_inputs(
