@@ -136,27 +136,34 @@ class SeekableLog:
             "overview": [list(p) for p in self._overview],
         }
 
-    def state_json(self, offset: int, chains_of: str | None = None) -> dict[str, Any]:
-        """Per source and tier: blocks and chains (the reducer's export: one BlockStored per
-        run of chained blocks); the record that led here; the violations so far; with
-        ``chains_of``, that source's chains, longest first."""
+    def state_json(self, offset: int, chains_of: str | None = None,
+                   with_chains: bool = True) -> dict[str, Any]:
+        """Per source and tier: blocks and, ``with_chains``, chains (runs of chained blocks as
+        the reducer's export makes them; ``null`` without); the record that led here; the
+        violations so far; with ``chains_of``, that source's chains, longest first. The export
+        is most of the cost at a large state, so a page can ask for the counts first."""
         state = self.state_at(offset)
-        snap = state.export()
-        sources: list[dict[str, Any]] = []
+        runs: dict[tuple[str, Medium, int], list[BlockStored]] = {}
+        snap: Snapshot | None = None
+        if with_chains or chains_of is not None:
+            snap = state.export()
+            for src in snap.sources:
+                for event in src.events:
+                    runs.setdefault((src.source, event.medium, event.group_idx), []).append(event)
+        tiers_of: dict[str, list[dict[str, Any]]] = {source: [] for source in state.sources()}
         totals = dict.fromkeys(MEDIA, 0)
-        for src in snap.sources:
-            chains: dict[tuple[Medium, int], list[BlockStored]] = {}
-            for event in src.events:
-                chains.setdefault((event.medium, event.group_idx), []).append(event)
-            tiers = []
-            for (medium, group), events in sorted(chains.items()):
-                n = len(state.blocks(src.source, medium, group))
-                totals[medium] += n
-                tiers.append({"medium": medium, "group_idx": group, "blocks": n,
-                              "chains": len(events),
-                              "longest_chain": max(len(e.block_hashes) for e in events)})
-            fence = state.fence(src.source)
-            sources.append({"source": src.source, "fence": list(fence) if fence else None,
+        for (source, medium, group), n in sorted(state.counts().items()):
+            totals[medium] += n
+            events = runs.get((source, medium, group), []) if with_chains else []
+            tiers_of[source].append({
+                "medium": medium, "group_idx": group, "blocks": n,
+                "chains": len(events) if events else None,
+                "longest_chain": max(len(e.block_hashes) for e in events) if events else None,
+            })
+        sources = []
+        for source, tiers in tiers_of.items():
+            fence = state.fence(source)
+            sources.append({"source": source, "fence": list(fence) if fence else None,
                             "tiers": tiers})
         seen = [v for v in self.violations if v.offset <= offset]
         out: dict[str, Any] = {
@@ -165,6 +172,7 @@ class SeekableLog:
             "violations": [_violation_json(v) for v in seen[-20:]],
         }
         if chains_of is not None:
+            assert snap is not None
             out["chains"] = _chains_json(snap, chains_of, state)
         return out
 

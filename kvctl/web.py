@@ -7,7 +7,8 @@ The page is one self-contained file (kvctl/static/web.html: no network at run ti
 JSON endpoints, each computed by the one reducer:
 
 - ``GET /api/log``: offsets, time span, sources, resident blocks per tier along the log;
-- ``GET /api/state?at=N[&source=S]``: the state after offset N (with S, that source's chains);
+- ``GET /api/state?at=N[&source=S][&chains=false]``: the state after offset N (with S, that
+  source's chains; ``chains=false`` leaves out the chain counts, which cost most at a large state);
 - ``GET /api/diff?a=A&b=B``: blocks added and removed per tier from A to B.
 
 Errors answer 400 with ``{"error": {"message", "type"}}``.
@@ -134,8 +135,8 @@ def build_app(seekable: SeekableLog, name: str) -> FastAPI:
         return {"name": name, **seekable.summary()}
 
     @app.get("/api/state")
-    def state(at: int, source: str | None = None) -> dict[str, Any]:
-        return seekable.state_json(at, source)
+    def state(at: int, source: str | None = None, chains: bool = True) -> dict[str, Any]:
+        return seekable.state_json(at, source, chains)
 
     @app.get("/api/diff")
     def diff(a: int, b: int) -> dict[str, Any]:

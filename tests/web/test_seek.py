@@ -41,6 +41,17 @@ def test_every_offset_is_the_reducers_state(keep_every: int | None) -> None:
             for s in body["sources"] for t in s["tiers"]} == state.counts()
     assert body["record"]["offset"] == 90 and body["record"]["source"] == records[89].source
     assert body["totals"]["GPU"] == sum(n for (_, m, _), n in state.counts().items() if m == "GPU")
+    chains = {(s["source"], t["medium"], t["group_idx"]): t["chains"]
+              for s in body["sources"] for t in s["tiers"]}
+    exported: dict[tuple[str, str, int], int] = {}
+    for src in state.export().sources:
+        for e in src.events:
+            key = (src.source, e.medium, e.group_idx)
+            exported[key] = exported.get(key, 0) + 1
+    assert chains == exported
+    quick = log.state_json(90, with_chains=False)  # what the page asks first
+    assert [t["chains"] for s in quick["sources"] for t in s["tiers"]] == [None] * len(chains)
+    assert quick["totals"] == body["totals"] and "chains" not in quick
 
 
 def test_diff_is_the_set_difference_of_two_states() -> None:
