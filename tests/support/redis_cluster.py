@@ -185,10 +185,19 @@ class RedisSentinel:
     def url(self) -> str:
         return f"redis+sentinel://127.0.0.1:{self.sentinel.port}/{self.name}"
 
-    def start(self) -> None:
+    def start(self, timeout_s: float = 20.0) -> None:
         self.primary.start()
         self.replica.start()
         self.sentinel.start()
+        client = redis.Redis(port=self.replica.port, socket_timeout=1.0)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while client.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the replica did not sync with the primary")
+                time.sleep(0.05)
+        finally:
+            client.close()
 
     def master_port(self) -> int:
         client = redis.Redis(port=self.sentinel.port, socket_timeout=1.0)
