@@ -8,10 +8,11 @@ not copied here (a copy as of O would only be older than the keys recovery reads
 
 Writing (:class:`Checkpointer`, a background task of the daemon):
 
-1. the snapshot is taken in memory, synchronously, at the reducer's offset O (records reach the
-   reducer only once the log holds them, so the state at O is what the log holds up to O);
+1. the snapshot is the reducer's state at its offset O (records reach the reducer only once the
+   log holds them, so the state at O is what the log holds up to O), exported by a forked child
+   from its copy-on-write copy (offloadd.log.forked_export), so the loop does not stall;
 2. it is encoded in chunks of at most ``CHUNK_EVENTS`` stored-events, each written to
-   ``ckpt:{id}:{i}``, yielding to the event loop between chunks;
+   ``ckpt:{id}:{i}`` as it arrives from the child;
 3. one script writes the manifest (offset, epoch, each chunk's xxh3) and swaps the pointer
    ``ckpt`` (ids of the complete checkpoints, newest first), after checking the owner lease and
    that the pointer is the one we read: a failure before this leaves the previous one in force;
@@ -36,6 +37,7 @@ none usable the whole log is replayed when it still starts at offset 1; otherwis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -52,7 +54,6 @@ from events.checkpoint import (
     decode_ids,
     decode_manifest,
     decode_snapshot,
-    encode_chunk,
     encode_ids,
     encode_manifest,
     join,
@@ -63,6 +64,7 @@ from events.schema import SchemaError
 from events.state import Snapshot
 from offloadd.config import OffloaddConfig
 from offloadd.errors import ForeignData, OffloaddError
+from offloadd.log.forked_export import ExportFailed, export_chunks
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
 
 log = logging.getLogger(__name__)
@@ -204,6 +206,7 @@ class Checkpointer:
         self.epoch = epoch
         self.stats = CheckpointStats()
         self.chunk_events = CHUNK_EVENTS
+        self.fork = True  # export in a forked child (offloadd.log.forked_export); False: in the loop
         self._put = md.client.register_script(_PUT)
         self._pointer: bytes | None = None  # the pointer as last read or written
         self._is_dirty = True  # keys of unfinished or dropped checkpoints may be left
@@ -252,23 +255,28 @@ class Checkpointer:
 
     async def write(self) -> Manifest | None:
         """Write a checkpoint of the state now; None when there is nothing new."""
-        snap = self.md.state.export()  # synchronous: the state at exactly snap.offset
-        if snap.offset == 0 or snap.offset == self.stats.offset:
+        if self.md.state.offset in (0, self.stats.offset):
             return None
         if self._pointer is None:
             self._pointer = await _get(self.md, self.md.keys.checkpoint) or b""
+        offset = self.md.state.offset  # no await from here to the fork in export_chunks
         keys = self.md.keys
-        ckpt_id = checkpoint_id(self.epoch, snap.offset)
+        ckpt_id = checkpoint_id(self.epoch, offset)
         checksums: list[int] = []
         size = 0
-        for i, part in enumerate(split(snap, self.chunk_events)):
-            data, checksum = encode_chunk(part)
-            checksums.append(checksum)
-            size += len(data)
-            self._is_dirty = True
-            await self._call([(keys.checkpoint_chunk(ckpt_id, i), data)])
-            await asyncio.sleep(0)  # encoding is CPU work: let requests in between chunks
-        manifest = Manifest(ckpt_id, snap.offset, self.epoch, time.time(), tuple(checksums), size)
+        # The state at exactly `offset`: a forked child's copy (offloadd.log.forked_export), taken
+        # before this coroutine yields again.
+        chunks = export_chunks(self.md.state, self.chunk_events, self.fork)
+        try:
+            async with contextlib.aclosing(chunks):
+                async for data, checksum in chunks:
+                    checksums.append(checksum)
+                    size += len(data)
+                    self._is_dirty = True
+                    await self._call([(keys.checkpoint_chunk(ckpt_id, len(checksums) - 1), data)])
+        except ExportFailed as exc:
+            raise CheckpointFailed(str(exc)) from exc
+        manifest = Manifest(ckpt_id, offset, self.epoch, time.time(), tuple(checksums), size)
         kept = tuple(dict.fromkeys((ckpt_id, *_decode_ids(self._pointer))))[:KEEP]
         pointer = encode_ids(kept)
         try:
@@ -281,7 +289,7 @@ class Checkpointer:
         self._note(manifest)
         self.stats.num_written += 1
         log.info("checkpoint %s written: offset %d, %d chunks, %d bytes",
-                 ckpt_id, snap.offset, len(checksums), manifest.num_bytes)
+                 ckpt_id, offset, len(checksums), manifest.num_bytes)
         await self._sweep(kept)
         return manifest
 

@@ -1,0 +1,69 @@
+"""The checkpoint export in a forked child: the state as of the fork, while the parent goes on
+changing it; a child that dies is a failed export, not a short checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from events.checkpoint import Manifest, decode_snapshot
+from events.schema import BlockStored, LogRecord
+from events.state import CacheState
+from offloadd.log.forked_export import ExportFailed, export_chunks
+
+
+def _state(n: int) -> CacheState:
+    state = CacheState()
+    for i in range(1, n + 1):
+        state.apply(LogRecord(i, "engine-a", 1, i, 0.0, (BlockStored((i,), None, (1, 2), 2, "GPU"),)))
+    return state
+
+
+@pytest.mark.parametrize("fork", [True, False])
+def test_the_chunks_are_the_state_at_the_start_while_the_parent_moves_on(fork: bool) -> None:
+    state = _state(3000)
+    want = state.export()
+
+    async def run() -> list[tuple[bytes, int]]:
+        got = []
+        async for chunk in export_chunks(state, 500, fork):
+            got.append(chunk)
+            if fork:  # the parent applies more records meanwhile; the child's copy is as of the fork
+                n = state.offset + 1
+                state.apply(LogRecord(n, "engine-a", 1, n, 0.0, (BlockStored((n,), None, (1, 2), 2, "GPU"),)))
+        return got
+
+    chunks = asyncio.run(run())
+    assert len(chunks) == 6
+    manifest = Manifest("x", want.offset, "e", 0.0, tuple(c for _, c in chunks), 0)
+    assert decode_snapshot(manifest, [d for d, _ in chunks]) == want
+    assert state.offset == (3006 if fork else 3000)
+
+
+def _children() -> list[int]:
+    pid = os.getpid()
+    with open(f"/proc/{pid}/task/{pid}/children") as fp:
+        return [int(p) for p in fp.read().split()]
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task"), reason="needs Linux /proc")
+def test_a_child_killed_midway_fails_the_export() -> None:
+    """kill -9 of the exporting child after its first chunk: ExportFailed, nothing more read."""
+
+    before = set(_children())  # a session's Redis may be a child of this process too
+
+    async def run() -> int:
+        n = 0
+        async for _ in export_chunks(_state(20_000), 100):
+            n += 1
+            if n == 1:
+                for child in set(_children()) - before:
+                    os.kill(child, signal.SIGKILL)  # the exporting child, forked by this test
+        return n
+
+    with pytest.raises(ExportFailed, match="before its last chunk"):
+        asyncio.run(run())
+    assert set(_children()) == before  # reaped
