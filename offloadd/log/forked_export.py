@@ -1,4 +1,4 @@
-"""A checkpoint's chunks encoded by a forked child, as Redis's BGSAVE does (DECISIONS 37).
+"""A checkpoint's chunks encoded by a forked child, as Redis's BGSAVE does (DECISIONS 39).
 
 Exporting the reducer's state is pure Python work proportional to the resident blocks (about a
 second for 100k blocks on the 2-core machine); done on the daemon's event loop it stalls every
