@@ -54,6 +54,7 @@ class Page:
         os.close(child_out)
         self._buf = b""
         self._next_id = 0
+        self.errors: list[str] = []  # uncaught exceptions in the page's scripts
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         self.session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})[
             "sessionId"]
@@ -89,6 +90,10 @@ class Page:
         deadline = time.monotonic() + timeout_s
         while True:
             reply = self._read(deadline)
+            if reply.get("method") == "Runtime.exceptionThrown":
+                details = reply["params"]["exceptionDetails"]
+                self.errors.append(details.get("exception", {}).get("description")
+                                   or details.get("text", "?"))
             if reply.get("id") == self._next_id:
                 if "error" in reply:
                     raise DevToolsError(f"{method}: {reply['error']}")

@@ -162,3 +162,4 @@ def test_the_page_follows_the_fleet_as_it_changes(tmp_path: Path) -> None:
                               ".textContent)(document.querySelector('#decisions tr.decision'))")
         assert first == "engine_down_retry"
         assert page.text("agreement") == "3 of 4 (75.0%)"
+        assert page.errors == []  # no uncaught exception in the page

@@ -314,6 +314,7 @@ def test_the_slider_keys_and_buttons_drive_the_page(recording: Recording, tmp_pa
         assert chains == sum(len(s.events) for s in recording.state_at(last).export().sources
                              if s.source == cpu)
         assert page.eval("location.search").startswith(f"?at={last}&a={mid + 2}&b={last}&source=")
+        assert page.errors == []  # no uncaught exception in the page
 
 
 def _changes(before: CacheState, after: CacheState) -> dict[tuple[str, str, int], tuple[int, int]]:

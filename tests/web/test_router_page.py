@@ -74,6 +74,7 @@ def test_the_routers_fleet_page_shows_its_status(tmp_path: Path) -> None:
             })()""")
             shot = tmp_path / "router-page.png"
             page.screenshot(shot, 1280, 720)
+            assert page.errors == []  # no uncaught exception in the page
     finally:
         for p in reversed(procs):
             p.stop()
