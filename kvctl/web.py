@@ -25,8 +25,9 @@ from importlib.resources import files
 from typing import TYPE_CHECKING, Any
 
 from kvctl.errors import KvctlError
-from kvctl.logsource import add_source_args, open_log
+from kvctl.logsource import add_source_args, is_redis, open_log
 from kvctl.seek import SeekableLog
+from rpc.logs import redact_url
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -61,19 +62,20 @@ def run(args: argparse.Namespace) -> int:
         raise KvctlError(f"--keep-every must be > 0, got {args.keep_every}")
     view = open_log(args, label="loading")
     seekable = SeekableLog(view.state(), view.records, args.keep_every)
+    name = redact_url(args.log) if is_redis(args.log) else args.log  # shown: no password
     if not seekable.records and seekable.start == 0:
-        raise KvctlError(f"the log is empty: nothing to show ({args.log})")
+        raise KvctlError(f"the log is empty: nothing to show ({name})")
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     span = f"offsets {seekable.start}..{seekable.last}" + (f", {view.note}" if view.note else "")
-    print(f"kvctl: {args.log}: {len(seekable.records)} records ({span})")
+    print(f"kvctl: {name}: {len(seekable.records)} records ({span})")
     print(f"kvctl: serving http://{shown}:{port}/ (Ctrl-C stops)", flush=True)
     if not ipaddress.ip_address(host).is_loopback:
         print(f"kvctl: warning: {host} is reachable from other machines and the page has no "
               "authentication: anyone who reaches it reads the log's sources and hashes",
               file=sys.stderr)
-    serve(build_app(seekable, args.log), sock)
+    serve(build_app(seekable, name), sock)
     return 0
 
 
