@@ -1,0 +1,1 @@
+"""Several nodes: which node's daemon holds which block (the fleet index, from their logs)."""
