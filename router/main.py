@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -107,7 +108,14 @@ def serve(config: RouterConfig) -> int:
                                                log_level="warning", access_log=False, timeout_graceful_shutdown=5))
         print(f"kv-router: serving on port {config.port} ({len(config.engines)} engines, policy {config.policy})",
               flush=True)
-        server.run()  # SIGTERM/SIGINT: uvicorn finishes in-flight requests, then returns
+        # uvicorn stops gracefully on SIGTERM/SIGINT (in-flight requests finish), then re-raises
+        # the signal into the handlers it found: these, so that the process exits 0.
+        stopped: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: stopped.append(signum))
+        server.run()
+        if stopped:
+            log.info("stopped by %s", signal.Signals(stopped[0]).name)
     finally:
         if follower is not None:
             follower.stop()

@@ -4,6 +4,7 @@ against a real uvicorn server on a loopback port in front of a real engine on a 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -89,6 +90,18 @@ def test_streaming_completion_equals_the_whole_one(client: openai.OpenAI) -> Non
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == 8 and chunks[-1].choices == []
+
+
+def test_a_client_that_goes_away_frees_the_engine(client: openai.OpenAI,
+                                                  server: tuple[ThreadedHttpServer, EngineLoop]) -> None:
+    stream = client.completions.create(model=MODEL, prompt="a long answer, please", max_tokens=500,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 10
+    while _raw(server[0].port, "/health")[1]["requests_running"]:
+        assert time.monotonic() < deadline, "the engine kept generating for a client that left"
+        time.sleep(0.05)
 
 
 def test_chat_uses_the_plain_template(client: openai.OpenAI, plain_model: Path) -> None:

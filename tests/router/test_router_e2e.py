@@ -181,9 +181,18 @@ def test_a_dead_engine_is_taken_out_and_its_request_retried(fleet: Fleet) -> Non
         assert decisions[-2]["engine"] == holder and decisions[-2]["reason"].endswith("(failed, retried)")
         assert decisions[-1]["engine"] == alive.name and decisions[-1]["cached_tokens"] is not None
         assert {e["name"]: e["healthy"] for e in fleet.status(slow)["engines"]}[holder] is False
+        # Back on the same port (under a new engine id: the crashed one's registration at the
+        # daemon is live until its lease ends); the health checks put it back in rotation.
+        dead.args = [a.replace(f"--engine-id={holder}", f"--engine-id={holder}-again") for a in dead.args]
+        dead.start()
+        deadline = time.monotonic() + 10
+        while not {e["name"]: e["healthy"] for e in fleet.status()["engines"]}[holder]:
+            assert time.monotonic() < deadline, fleet.status()
+            time.sleep(0.1)
+        dead.stop()
         alive.stop()
         with pytest.raises(openai.APIStatusError) as err:
             _complete(fleet.client(slow), "nobody home")
         assert err.value.status_code == 503 and "no engine" in str(err.value.message)
     finally:
-        slow.stop()
+        assert slow.stop() == 0  # SIGTERM: a clean exit
