@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import struct
@@ -80,6 +81,8 @@ def _child(state: CacheState, per_chunk: int, r: int, w: int) -> NoReturn:
     code = 1
     try:
         os.close(r)
+        gc.disable()  # it exits soon: collecting would only copy the parent's pages
+        os.nice(10)  # background work: the daemon's requests come first on a busy machine
         signal.set_wakeup_fd(-1)  # the loop's wakeup fd is the parent's: leave it alone
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
