@@ -17,7 +17,8 @@ holds, from its oldest batch) and what follows live. Blocks stored before the ri
 are unknown then, so the log under-reports rather than claims blocks that may be gone.
 
 Batches already waiting together (a burst, a replay) are handed to offloadd as one batch of
-their events in order, up to MERGE_EVENTS: one log record then holds several vLLM batches.
+their events in order, up to MERGE_EVENTS and MERGE_VALUES: one log record then holds several
+vLLM batches.
 
 Without a replay socket a gap or a restart re-syncs from what follows. A quiet publisher is
 asked for what follows the anchor every ``idle_sync_s``: a lost last batch and a quiet restart
@@ -46,7 +47,11 @@ from offloadd.client import ClientSecurity
 log = logging.getLogger("kvingest")
 
 RECENT: Final = 20_000  # digests kept: more than vLLM's ring (10,000 batches)
-MERGE_EVENTS: Final = 1024  # events of consecutive batches already received sent as one batch
+# Consecutive batches already received are sent as one batch of at most this many events and
+# values (block hashes plus token ids): a record stays far below gRPC's 4 MiB message limit and
+# the daemon's batch limit.
+MERGE_EVENTS: Final = 1024
+MERGE_VALUES: Final = 65_536
 _POLL_MS: Final = 50
 _DRAIN: Final = 256  # live messages handled per poll
 
@@ -70,6 +75,7 @@ class Follower:
         self._recent_order: deque[int] = deque()
         self._garbage_seen: set[str] = set()
         self._merged: list[Event] = []  # applied, not yet handed to the sink
+        self._merged_values = 0
         self._last_live = self._last_contact = time.monotonic()
         self._stop = threading.Event()
         self._sub: zmq.Socket[bytes] | None = None
@@ -251,6 +257,7 @@ class Follower:
 
     def _end_life(self) -> None:
         self._merged = []  # the life's last events: cleared with it
+        self._merged_values = 0
         if self.sink is not None:
             self.sink.close()  # goodbye: the daemon clears the source's tiers
             self.sink = None
@@ -284,12 +291,20 @@ class Follower:
         if batch.num_skipped:
             self._metrics.skipped.labels(self.label).inc(batch.num_skipped)
         if batch.events:
-            if len(self._merged) + len(batch.events) > MERGE_EVENTS:
+            blocks = tokens = 0
+            for e in batch.events:
+                if type(e) is BlockStored:
+                    blocks += len(e.block_hashes)
+                    tokens += len(e.token_ids)
+                elif type(e) is BlockRemoved:
+                    blocks += len(e.block_hashes)
+            if (len(self._merged) + len(batch.events) > MERGE_EVENTS
+                    or self._merged_values + blocks + tokens > MERGE_VALUES):
                 self._flush()
             self._merged.extend(batch.events)
+            self._merged_values += blocks + tokens
             self._m_batches.inc()
-            self._m_blocks.inc(sum(len(e.block_hashes) for e in batch.events
-                                   if type(e) is BlockStored or type(e) is BlockRemoved))
+            self._m_blocks.inc(blocks)
         if replayed:
             self._metrics.replayed.labels(self.label).inc()
         self._advance(frame)
@@ -300,6 +315,7 @@ class Follower:
         if self._merged and self.sink is not None:
             self.sink.submit(self._merged, self._stop)
         self._merged = []
+        self._merged_values = 0
 
     def _advance(self, frame: Frame) -> None:
         self.next_seq = frame.seq + 1

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from events.schema import AllBlocksCleared, BlockRemoved
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
+from ingest.follower import MERGE_VALUES
 from ingest.vllm_publisher import VllmStylePublisher
 from offloadd.client import OffloadClient
 from tests.ingest.conftest import records, state_of, stored, view_is, wait_for
@@ -137,3 +138,23 @@ def consecutive_endpoints() -> tuple[list[str], list[str]]:
         ep = [f"tcp://127.0.0.1:{base + i}" for i in range(4)]
         return ep[:2], ep[2:]
     raise RuntimeError("no four consecutive free ports")
+
+
+def test_batches_waiting_together_share_records_of_bounded_size(
+    client: OffloadClient, publishers: list[VllmStylePublisher],
+    start_ingest: Callable[..., IngestProcess],
+) -> None:
+    pub, replay = vllm_endpoints()
+    vllm = VllmStylePublisher(pub, replay)
+    publishers.append(vllm)
+    sent = [BlockStored(tuple(range(64 * i + 1, 64 * i + 65)), None, tuple(range(64 * 16)), 16, "GPU")
+            for i in range(80)]  # 80 batches of 64 blocks: 1,088 values each, 87,040 in all
+    for event in sent:
+        vllm.publish([event])
+    start_ingest(f"pod-a={pub},replay={replay}")  # finds them all in the ring at first contact
+    wait_for(lambda: sum(len(r.events) for r in records(client)) == 80, what="every batch")
+    recs = records(client)
+    assert [e for r in recs for e in r.events] == sent
+    assert 2 <= len(recs) < 80  # merged, and split where a record would grow too big
+    assert max(sum(len(e.block_hashes) + len(e.token_ids) for e in r.events  # type: ignore[union-attr]
+                   ) for r in recs) <= MERGE_VALUES
