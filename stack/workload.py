@@ -12,7 +12,6 @@ WORDS = ["cache", "block", "engine", "router", "memory", "prefix", "token", "lay
 @dataclass(frozen=True)
 class DemoRequest:
     label: str
-    engine: int
     prompt: str
     phase: int
 
@@ -23,22 +22,23 @@ def document(rng: random.Random, i: int, n_words: int) -> str:
 
 
 def build(short: bool, seed: int = 0) -> list[DemoRequest]:
-    """Phase 1 runs on engine 0; phase 2 adds engine 1, which revisits engine 0's documents."""
+    """Phase 1: documents read twice (the second time after their blocks left the GPU pools)
+    and chats that grow; phase 2: the documents a third time, then two new ones."""
     rng = random.Random(seed)
     n_docs, doc_words, n_chats, n_turns = (6, 60, 2, 3) if short else (12, 80, 4, 5)
     docs = [document(rng, i, doc_words) for i in range(n_docs)]
     out: list[DemoRequest] = []
     for i, doc in enumerate(docs):  # first reads: misses
-        out.append(DemoRequest(f"doc{i} q1", 0, doc + "Question: what is it about?", 1))
+        out.append(DemoRequest(f"doc{i} q1", doc + "Question: what is it about?", 1))
     for c in range(n_chats):  # each turn extends the last one: GPU hits while it stays resident
         history = f"System: you are chat {c}. Be brief.\n"
         for t in range(n_turns):
             history += f"User: turn {t}, " + " ".join(rng.choice(WORDS) for _ in range(12)) + "\n"
-            out.append(DemoRequest(f"chat{c} t{t}", 0, history + "Assistant:", 1))
+            out.append(DemoRequest(f"chat{c} t{t}", history + "Assistant:", 1))
     for i, doc in enumerate(docs):  # evicted from the GPU pool by now: host-tier hits
-        out.append(DemoRequest(f"doc{i} q2", 0, doc + "Question: summarise it.", 1))
-    for i, doc in enumerate(docs):  # a second engine joins: engine 0's prefixes are CPU hits
-        out.append(DemoRequest(f"doc{i} q3", 1, doc + "Question: who wrote it?", 2))
-    for i in range(n_docs, n_docs + 2):  # new documents on the new engine: misses
-        out.append(DemoRequest(f"doc{i} q1", 1, document(rng, i, doc_words) + "Question: why?", 2))
+        out.append(DemoRequest(f"doc{i} q2", doc + "Question: summarise it.", 1))
+    for i, doc in enumerate(docs):  # host-tier hits again, on either engine
+        out.append(DemoRequest(f"doc{i} q3", doc + "Question: who wrote it?", 2))
+    for i in range(n_docs, n_docs + 2):  # new documents: misses
+        out.append(DemoRequest(f"doc{i} q1", document(rng, i, doc_words) + "Question: why?", 2))
     return out
