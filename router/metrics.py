@@ -42,9 +42,8 @@ class RouterCollector(Collector):
         yield CounterMetricFamily("kv_router_reported_cached_tokens", "Cached prompt tokens the engines reported",
                                   value=t.reported_tokens)
         yield CounterMetricFamily("kv_router_retries", "Requests sent again to another engine", value=r.retries)
-        recent = r.timings.recent
         yield SummaryMetricFamily("kv_router_decision_seconds", "Tokenize + hash + choose, per request",
-                                  count_value=len(recent), sum_value=sum(recent))
+                                  count_value=r.timings.count, sum_value=r.timings.total_s)
         in_flight = GaugeMetricFamily("kv_router_engine_in_flight", "Requests in flight per engine", labels=["engine"])
         healthy = GaugeMetricFamily("kv_router_engine_healthy", "1 while the engine is in rotation", labels=["engine"])
         served = CounterMetricFamily("kv_router_engine_requests", "Requests completed per engine", labels=["engine"])

@@ -53,11 +53,15 @@ class EngineFailed(Exception):
 
 @dataclass
 class Timings:
-    """Decision times in seconds (tokenize + hash + choose), the most recent ones."""
+    """Decision times (tokenize + hash + choose): totals since start, and the most recent ones."""
 
+    count: int = 0
+    total_s: float = 0.0
     recent: list[float] = field(default_factory=list)
 
     def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total_s += seconds
         self.recent.append(seconds)
         if len(self.recent) > 10_000:
             del self.recent[:5_000]

@@ -143,6 +143,8 @@ def test_errors_come_back_in_openai_shape(fleet: Fleet) -> None:
     metrics = urllib.request.urlopen(f"{fleet.router.url}/metrics", timeout=5).read().decode()
     assert 'kv_router_decisions_total{engine="' in metrics and 'reason="gpu_prefix"' in metrics
     assert "kv_router_prediction_agreement" in metrics and "kv_router_engine_in_flight" in metrics
+    count = next(line for line in metrics.splitlines() if line.startswith("kv_router_decision_seconds_count"))
+    assert float(count.split()[-1]) >= 5  # every routed request so far was timed
 
 
 def test_grpc_generate_through_the_router(fleet: Fleet) -> None:
