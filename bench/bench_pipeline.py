@@ -22,14 +22,17 @@ pipelined 500 per MULTI/EXEC, as fast as one client can). Results: ratios to bot
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import platform
+import queue
 import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,12 +149,19 @@ def receive(sub: zmq.Socket[bytes], n: int, idle_s: float) -> dict[str, Any]:
 
 
 def run_pipeline(work: Path, streams: list[list[tuple[Event, ...]]],
-                 block_events_per_s: float | None) -> dict[str, Any]:
+                 block_events_per_s: float | None, daemon_args: tuple[str, ...] = (),
+                 prepare: Callable[[str], object] | None = None,
+                 capacity_bytes: int = 1 << 20) -> dict[str, Any]:
+    """One run of the whole path; ``prepare(daemon target)`` runs before the bridge starts
+    (bench_recovery fills the CPU tier there), ``daemon_args`` go to offloadd."""
     redis_proc = RedisProcess(work / f"redis-{time.monotonic_ns()}")
     redis_proc.start()
     daemon = DaemonProcess(work / f"offloadd-{time.monotonic_ns()}", redis_proc.url, "default",
-                           extra_args=("--log-level", "WARNING"))
+                           capacity_bytes=capacity_bytes,
+                           extra_args=("--log-level", "WARNING", *daemon_args))
     daemon.start()
+    if prepare is not None:
+        prepare(daemon.target)
     bridge = BridgeProcess(redis_proc.url, work / f"bridge-{time.monotonic_ns()}",
                            "--log-level", "WARNING")
     bridge.start()
@@ -183,14 +193,19 @@ def run_pipeline(work: Path, streams: list[list[tuple[Event, ...]]],
         wall = time.time() - t0
         for p in procs:
             p.join(60)
-        engines = [results.get(timeout=5) for _ in procs]
+        engines = []
+        for _ in procs:  # an engine whose stream failed reports nothing: counted below
+            with contextlib.suppress(queue.Empty):
+                engines.append(results.get(timeout=5))
     finally:
         ctx.destroy(linger=0)
         bridge.stop()
         daemon.stop()
         redis_proc.stop()
     applied = sum(a for _, a, _ in engines)
+    checkpoints = daemon.log_path.read_text(errors="replace").count(" written: offset ")
     return {"batches": n, "block_events": total, "applied": applied, **got,
+            "checkpoints": checkpoints, "engines_failed": len(procs) - len(engines),
             "lost": n - got["received"], "wall_s": wall,
             "block_events_per_s": total / wall if got["received"] == n else None,
             "within_10s": got["received"] if wall <= 10 else None}

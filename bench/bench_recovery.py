@@ -1,0 +1,326 @@
+"""Recovery after kill -9 with a long history behind it, and what a checkpoint costs the stream.
+
+    python bench/bench_recovery.py [--sizes 1000000 5000000 20000000] [--cpu-blocks 100000]
+                                   [--skip-cost] [--out bench/results/recovery.json]
+
+**Recovery** (issue "durable core"): a real ``offloadd`` stores ``--cpu-blocks`` CPU-tier blocks
+(Reserve -> arena write -> Commit through the real client), then history is appended until the
+log has seen each of ``--sizes`` records (cumulative, one Redis), and at each size the daemon is
+killed with SIGKILL and started again on the same Redis and arena: the time from ``exec`` to
+health SERVING (and the daemon's own recovery time from its ``serving`` log line), Redis
+``used_memory``, the newest checkpoint's bytes and the retained log's bytes. The daemon runs with
+the default ``checkpoint_records`` (100,000) and ``--retention-records 100000 --retention-s 0``
+(the default ``retention_s`` keeps a day of records, by design: memory then follows a day's
+traffic, not history).
+
+History is written by this process, not through gRPC: at the daemon's ~20-50k records/s 20M
+records would take 7-15 minutes of a shared 2-core machine. It is the documented equivalent of
+what the daemon leaves in Redis for the same records: a source ``history-engine``
+(incarnation 1) appends pairs of records, ``BlockStored`` then ``BlockRemoved`` of one GPU block,
+written as the daemon's write script writes them (``XADD {offset}-0 r <record>`` with the
+record codec of events.records, its fence in the ``sources`` hash, the ``head`` key), pipelined;
+the log is trimmed as the daemon trims it (exact ``XTRIM MINID`` to the retention floor, never
+past the oldest kept checkpoint); and the two checkpoints the daemon keeps are written with the
+daemon's codec (events.checkpoint) at the offsets it would have written them. Since each pair
+leaves the state unchanged but for that source's fence, the state at an even offset is the
+state before the history with the fence advanced: that is what the checkpoints hold. The newest
+checkpoint is written ``checkpoint_records - 1`` records before the head: the worst case, a
+checkpoint was due when the daemon died, so recovery replays the longest tail it can meet.
+
+**Checkpoint cost**: the whole event path (bench_pipeline's shape c, paced 50k block events/s
+unless ``--cost-rate`` says otherwise, engine send -> subscriber receive) on a daemon holding ``--cpu-blocks`` CPU-tier blocks, once with
+a checkpoint every ``--cost-interval-s`` (default 2 s: several during the run, each of the
+whole state: the CPU tier and the GPU tier the run has stored so far) and once with none,
+alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_pipeline import run_pipeline, shape_batches
+from events.checkpoint import (
+    Manifest,
+    checkpoint_id,
+    decode_ids,
+    decode_manifest,
+    encode_chunk,
+    encode_ids,
+    encode_manifest,
+    split,
+)
+from events.logkeys import LogKeys
+from events.logreader import LogReader
+from events.records import RECORD_FIELD, encode_record, entry_id
+from events.schema import BlockRemoved, BlockStored, LogRecord
+from events.state import CacheState, Snapshot, SourceSnapshot
+from offloadd.client import BlockToStore, OffloadClient
+from offloadd.log import projection
+from tests.support.offloadd_proc import DaemonProcess
+from tests.support.redis_proc import RedisProcess
+from tests.support.synthetic_engine import GROUP, SLOT, block_bytes, digest
+
+HISTORY = "history-engine"
+CKPT_RECORDS = 100_000  # the daemon's default checkpoint_records
+RETENTION = ("--retention-records", "100000", "--retention-s", "0")
+CHAIN = 256  # blocks per Reserve/Commit
+
+
+def fill_cpu_tier(target: str, n: int) -> float:
+    """Store ``n`` CPU-tier blocks through the real client; seconds taken."""
+    t0 = time.perf_counter()
+    with OffloadClient(target, timeout_s=30.0) as client:
+        arena = client.register_engine("cpu-filler", 1, "synthetic", [GROUP]).map_arena(0)
+        try:
+            for start in range(0, n, CHAIN):
+                blocks = [BlockToStore(digest("cpu-filler", i), digest("cpu-filler", i - 1) if i > start else None,
+                                       (i % 500, 1, 2, 3)) for i in range(start, min(n, start + CHAIN))]
+                res = client.reserve("cpu-filler", 0, blocks)
+                for b, (status, slot) in zip(blocks, res.blocks, strict=True):
+                    if status.name == "RESERVED":
+                        arena.write(slot, block_bytes(b.block_hash, SLOT))
+                if res.reservation_id:
+                    client.commit("cpu-filler", res.reservation_id)
+        finally:
+            arena.close()
+    return time.perf_counter() - t0
+
+
+def state_now(daemon: DaemonProcess, admin: Any, keys: LogKeys) -> CacheState:
+    """The daemon's state (Snapshot RPC) brought up to the log's head after it is killed."""
+    with OffloadClient(daemon.target) as client:
+        state = CacheState.from_snapshot(client.snapshot())
+    daemon.kill()
+    for record in LogReader(admin, keys).iter_range(state.offset + 1):
+        state.apply(record)
+    return state
+
+
+class HistoryWriter:
+    """Appends the history as the daemon would leave it in Redis (module docstring)."""
+
+    def __init__(self, admin: Any, keys: LogKeys, epoch: str) -> None:
+        self.admin, self.keys, self.epoch = admin, keys, epoch
+
+    def append(self, state: CacheState, n: int, chunk: int = 2000) -> tuple[int, float]:
+        """``n`` more records after ``state`` (rounded down to pairs); (the new head, seconds)."""
+        t0 = time.perf_counter()
+        head = state.offset
+        inc, seq = state.fence(HISTORY) or (1, 0)
+        others = Snapshot(0, tuple(s for s in state.export().sources if s.source != HISTORY))
+        fixed = [encode_chunk(part) for part in split(others)]  # the same bytes in every checkpoint
+        stored = BlockStored((1 << 40,), None, (1, 2, 3, 4) * 4, 16, "GPU")
+        removed = BlockRemoved((1 << 40,), "GPU")
+        target = head + n - n % 2
+        newest = target - (CKPT_RECORDS - 1)
+        newest -= (newest - head) % 2  # after a pair: the history source holds no block
+        ckpts = sorted(o for o in range(newest, head, -CKPT_RECORDS))
+        now = time.time()
+        while head < target:
+            pipe = self.admin.pipeline(transaction=False)
+            for _ in range(min(chunk, target - head) // 2):
+                for events in ((stored,), (removed,)):
+                    head += 1
+                    seq += 1
+                    data = encode_record(LogRecord(head, HISTORY, inc, seq, now, events))
+                    pipe.xadd(self.keys.log, {RECORD_FIELD: data}, id=entry_id(head))
+            pipe.hset(self.keys.sources, HISTORY, projection.encode((inc, seq)))
+            pipe.set(self.keys.head, head)
+            pipe.execute()
+            now = time.time()
+            if ckpts and head >= ckpts[0]:
+                at = ckpts.pop(0)
+                self._checkpoint(fixed, at, SourceSnapshot(HISTORY, inc, seq - (head - at), ()))
+            if head % 100_000 < chunk:
+                self._trim(head)
+        self._trim(head)
+        return head, time.perf_counter() - t0
+
+    def _checkpoint(self, fixed: list[tuple[bytes, int]], offset: int, history: SourceSnapshot) -> None:
+        """The daemon's checkpoint at ``offset``: the state before the history (its chunks
+        encoded once) and the history source's fence, then the pointer (two kept)."""
+        ckpt = checkpoint_id(self.epoch, offset)
+        chunks = [*fixed, encode_chunk((history,))]
+        pipe = self.admin.pipeline(transaction=False)
+        for i, (data, _sum) in enumerate(chunks):
+            pipe.set(self.keys.checkpoint_chunk(ckpt, i), data)
+        pipe.set(self.keys.checkpoint_manifest(ckpt), encode_manifest(Manifest(
+            ckpt, offset, self.epoch, time.time(), tuple(c for _, c in chunks),
+            sum(len(d) for d, _ in chunks))))
+        old = self.admin.get(self.keys.checkpoint)
+        ids = (ckpt, *([] if old is None else _ids(old)))
+        pipe.set(self.keys.checkpoint, encode_ids(ids[:2]))
+        for dropped in ids[2:]:
+            raw = self.admin.get(self.keys.checkpoint_manifest(dropped))
+            count = 0 if raw is None else len(_manifest(raw).checksums)
+            pipe.delete(self.keys.checkpoint_manifest(dropped),
+                        *[self.keys.checkpoint_chunk(dropped, i) for i in range(count)])
+        pipe.execute()
+
+    def _trim(self, head: int) -> None:
+        """To the retention floor (the last 100,000 records), never past the oldest kept
+        checkpoint + 1."""
+        raw = self.admin.get(self.keys.checkpoint)
+        offsets = [_manifest(self.admin.get(self.keys.checkpoint_manifest(i))).offset
+                   for i in (_ids(raw) if raw else ())]
+        if offsets:
+            floor = min(head - 100_000 + 1, min(offsets) + 1)
+            if floor > 1:
+                self.admin.xtrim(self.keys.log, minid=entry_id(floor), approximate=False)
+
+
+def _ids(raw: bytes) -> tuple[str, ...]:
+    return decode_ids(raw)
+
+
+def _manifest(raw: bytes) -> Manifest:
+    return decode_manifest(raw)
+
+
+def recovery_seconds(daemon: DaemonProcess) -> dict[str, Any]:
+    """The daemon's own report from its last ``serving`` line."""
+    for line in reversed(daemon.log_path.read_text(errors="replace").splitlines()):
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if doc.get("msg") == "serving":
+            return dict(doc.get("recovery") or {})
+    return {}
+
+
+def memory(admin: Any, keys: LogKeys) -> dict[str, int]:
+    info = admin.info("memory")
+    raw = admin.get(keys.checkpoint)
+    newest = _manifest(admin.get(keys.checkpoint_manifest(_ids(raw)[0]))) if raw else None
+    blocks = sum(admin.memory_usage(k) or 0 for k in admin.scan_iter(keys.prefix + "blocks:*"))
+    return {
+        "used_memory": int(info["used_memory"]),
+        "checkpoint_bytes": newest.num_bytes if newest else 0,
+        "log_bytes": int(admin.memory_usage(keys.log) or 0),
+        "log_records": int(admin.xlen(keys.log)),
+        "cpu_projection_bytes": int(blocks),
+    }
+
+
+def run_recovery(work: Path, sizes: list[int], cpu_blocks: int) -> list[dict[str, Any]]:
+    redis_proc = RedisProcess(work / "redis")
+    redis_proc.start()
+    keys = LogKeys("default")
+    admin = redis.Redis.from_url(redis_proc.url)
+    daemon = DaemonProcess(work / "offloadd", redis_proc.url, "default",
+                           capacity_bytes=max(1 << 20, 2 * cpu_blocks * SLOT),
+                           extra_args=("--log-level", "INFO", *RETENTION))
+    rows = []
+    try:
+        daemon.start()
+        fill_s = fill_cpu_tier(daemon.target, cpu_blocks)
+        print(f"stored {cpu_blocks} CPU-tier blocks in {fill_s:.1f} s", file=sys.stderr)
+        epoch = admin.get(keys.epoch).decode()
+        writer = HistoryWriter(admin, keys, epoch)
+        for size in sizes:
+            state = state_now(daemon, admin, keys)  # and kill -9
+            head, write_s = writer.append(state, size - state.offset)
+            print(f"history at {head} records ({write_s:.1f} s to write); restarting", file=sys.stderr)
+            t0 = time.perf_counter()
+            daemon.start(timeout_s=120)
+            to_serving = time.perf_counter() - t0
+            report = recovery_seconds(daemon)
+            with OffloadClient(daemon.target) as client:
+                resident = client.stats()
+            row = {"history_records": head, "write_s": round(write_s, 1),
+                   "exec_to_serving_s": round(to_serving, 3),
+                   "recovery_s": report.get("seconds"),
+                   "load_and_replay_s": report.get("load_and_replay_seconds"),
+                   "tail_records": report.get("num_records"),
+                   "checkpoint_offset": report.get("checkpoint_offset"),
+                   "cpu_blocks": report.get("num_blocks"),
+                   "stats_blocks": getattr(resident, "num_blocks", None),
+                   **memory(admin, keys)}
+            row["memory_goal_bytes"] = 2 * (row["checkpoint_bytes"] + row["log_bytes"])
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    finally:
+        daemon.kill()
+        admin.close()
+        redis_proc.stop()
+    return rows
+
+
+def run_cost(work: Path, cpu_blocks: int, rounds: int, rate: float, scale: float,
+             interval_s: float) -> dict[str, Any]:
+    batches = shape_batches("c", scale)
+    out: dict[str, list[dict[str, Any]]] = {"checkpointing": [], "none": []}
+    for _ in range(rounds):
+        for mode, interval in (("checkpointing", str(interval_s)), ("none", "100000")):
+            args = ("--checkpoint-interval-s", interval, "--checkpoint-records", "1000000000",
+                    "--log-level", "INFO", "--redis-timeout-s", "10")
+            got = run_pipeline(work, batches, rate, daemon_args=args,
+                               prepare=lambda target: fill_cpu_tier(target, cpu_blocks),
+                               capacity_bytes=max(1 << 20, 2 * cpu_blocks * SLOT))
+            out[mode].append({k: got.get(k) for k in ("p50_ms", "p99_ms", "lost", "received",
+                                                       "block_events_per_s", "checkpoints")})
+            print(f"{mode}: {out[mode][-1]}", file=sys.stderr)
+    p99 = {m: statistics.median(r["p99_ms"] for r in rows) for m, rows in out.items()}
+    return {"block_events_per_s_paced": rate, "batches": len(batches[0]),
+            "checkpoint_interval_s": interval_s, "runs": out,
+            "median_p99_ms": p99, "ratio": p99["checkpointing"] / p99["none"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 5_000_000, 20_000_000],
+                   help="history sizes in records, ascending (cumulative on one Redis)")
+    p.add_argument("--cpu-blocks", type=int, default=100_000, help="CPU-tier blocks resident")
+    p.add_argument("--cost-rounds", type=int, default=2, help="alternating checkpoint-cost runs")
+    p.add_argument("--cost-rate", type=float, default=50_000.0,
+                   help="paced block events/s of the checkpoint-cost runs (shape c: 50000)")
+    p.add_argument("--cost-scale", type=float, default=1.0, help="shape c's 10,000 batches x this")
+    p.add_argument("--cost-interval-s", type=float, default=2.0,
+                   help="checkpoint interval of the checkpointing runs (default 2)")
+    p.add_argument("--skip-cost", action="store_true", help="recovery only")
+    p.add_argument("--skip-recovery", action="store_true", help="checkpoint cost only")
+    p.add_argument("--out", default="bench/results/recovery.json")
+    args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the processes it started
+    if args.sizes != sorted(args.sizes) or args.sizes[0] <= 0:
+        p.error("--sizes must be positive and ascending")
+    result: dict[str, Any] = {"machine": {"cpus": __import__("os").cpu_count(),
+                                          "python": platform.python_version()},
+                              "cpu_blocks": args.cpu_blocks, "checkpoint_records": CKPT_RECORDS,
+                              "retention": " ".join(RETENTION)}
+    with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
+        if not args.skip_recovery:
+            result["recovery"] = run_recovery(Path(tmp) / "rec", args.sizes, args.cpu_blocks)
+        if not args.skip_cost:
+            result["checkpoint_cost"] = run_cost(Path(tmp) / "cost", args.cpu_blocks, args.cost_rounds,
+                                                args.cost_rate, args.cost_scale, args.cost_interval_s)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    for row in result.get("recovery", []):
+        print(f"{row['history_records']:>10} records: SERVING {row['exec_to_serving_s']:.2f} s after "
+              f"exec (recovery {row['recovery_s']:.2f} s, tail {row['tail_records']}), used_memory "
+              f"{row['used_memory'] / 2**20:.1f} MiB (goal {row['memory_goal_bytes'] / 2**20:.1f} MiB)")
+    if "checkpoint_cost" in result:
+        c = result["checkpoint_cost"]
+        print(f"p99 with checkpoints {c['median_p99_ms']['checkpointing']:.1f} ms, without "
+              f"{c['median_p99_ms']['none']:.1f} ms: {c['ratio']:.2f}x (goal <= 2x)")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
