@@ -16,6 +16,9 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+# A fixed port when free: the URL is a build argument, and a new one would rebuild torch's layer.
+PORT = 29823
+
 
 def torch_wheelhouse(cache: Path, requirement: str) -> Path:
     """The wheels of ``requirement`` and its dependencies, as pip here resolves them (the CPU
@@ -57,12 +60,20 @@ class _QuietHandler(SimpleHTTPRequestHandler):
         pass
 
 
-@contextmanager
-def serve_index(wheels: Path, root: Path) -> Iterator[str]:
-    """Serve the index of ``wheels`` on 127.0.0.1 (a free port); yields its /simple/ URL."""
-    write_index(wheels, root)
+def _server(root: Path, port: int) -> ThreadingHTTPServer:
     handler = functools.partial(_QuietHandler, directory=str(root))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    try:
+        return ThreadingHTTPServer(("127.0.0.1", port), handler)
+    except OSError:
+        return ThreadingHTTPServer(("127.0.0.1", 0), handler)
+
+
+@contextmanager
+def serve_index(wheels: Path, root: Path, port: int = PORT) -> Iterator[str]:
+    """Serve the index of ``wheels`` on 127.0.0.1:``port`` (a free one if that is taken);
+    yields its /simple/ URL."""
+    write_index(wheels, root)
+    server = _server(root, port)
     thread = threading.Thread(target=server.serve_forever, name="wheel-index", daemon=True)
     thread.start()
     try:
