@@ -27,11 +27,7 @@ The format (manifest, chunks, checksums, the usability rule) is events.checkpoin
 kv-bridge and kvctl, which bootstrap from the same checkpoints; this module does the daemon's
 Redis I/O around it.
 
-Loading (:func:`restore`, by recovery): the pointer's checkpoints newest first; the first whose
-manifest and chunks verify, of the log's epoch, and whose tail the log still holds (its oldest
-record is at most O + 1) is loaded into the reducer; recovery replays the log from O + 1. With
-none usable the whole log is replayed when it still starts at offset 1; otherwise
-:class:`CheckpointMissing` stops startup, never a wrong state.
+Loading, by recovery, is offloadd.log.checkpoint_load (re-exported here).
 """
 
 from __future__ import annotations
@@ -51,29 +47,21 @@ from events.checkpoint import (
     CheckpointBroken,
     Manifest,
     checkpoint_id,
-    decode_ids,
     decode_manifest,
-    decode_snapshot,
     encode_ids,
     encode_manifest,
     join,
     split,
-    unusable,
 )
-from events.schema import SchemaError
-from events.state import Snapshot
 from offloadd.config import OffloaddConfig
-from offloadd.errors import ForeignData, OffloaddError
+from offloadd.errors import OffloaddError
+from offloadd.log.checkpoint_load import CheckpointMissing, get_key, load, pointer_ids, restore
 from offloadd.log.forked_export import ExportFailed, export_chunks
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
 
 log = logging.getLogger(__name__)
 
 KEEP: Final[int] = 2  # complete checkpoints kept: the newest and its fallback
-
-
-class CheckpointMissing(ForeignData):
-    """The log was trimmed and no complete checkpoint covers what it no longer holds."""
 
 
 class CheckpointFailed(OffloaddError):
@@ -134,69 +122,6 @@ __all__ = [
 ]
 
 
-def _decode_ids(raw: bytes | None) -> tuple[str, ...]:
-    try:
-        return decode_ids(raw)
-    except CheckpointBroken as exc:
-        log.error("checkpoint %s: ignored", exc)
-        return ()
-
-
-async def _get(md: MetadataStore, key: str) -> bytes | None:
-    try:
-        raw = await md.client.get(key)
-    except (RedisError, OSError) as exc:
-        raise RedisUnavailable(f"Redis unreachable reading {key}: {exc}") from exc
-    return None if raw is None else bytes(raw)
-
-
-async def load(md: MetadataStore, ckpt_id: str) -> tuple[Manifest, Snapshot]:
-    """A checkpoint, verified (events.checkpoint); CheckpointBroken names what is missing or bad."""
-    keys = md.keys
-    try:
-        manifest = decode_manifest(await md.client.get(keys.checkpoint_manifest(ckpt_id)), ckpt_id)
-        async with md.client.pipeline(transaction=False) as pipe:
-            for i in range(len(manifest.checksums)):
-                pipe.get(keys.checkpoint_chunk(ckpt_id, i))
-            datas = await pipe.execute(raise_on_error=False)
-    except (RedisError, OSError) as exc:
-        if isinstance(exc, OSError) or "WRONGTYPE" not in str(exc):
-            raise RedisUnavailable(f"Redis unreachable reading checkpoint {ckpt_id}: {exc}") from exc
-        raise CheckpointBroken(str(exc)) from exc
-    return manifest, decode_snapshot(manifest, datas)
-
-
-async def restore(md: MetadataStore) -> Manifest | None:
-    """Load the newest usable checkpoint into ``md.state`` (module docstring); None when the
-    whole log is to be replayed. CheckpointMissing when neither is possible."""
-    first, _ = await md.log_bounds()
-    raw_epoch = await _get(md, md.keys.epoch)
-    epoch = raw_epoch.decode(errors="replace") if raw_epoch is not None else None
-    for ckpt_id in _decode_ids(await _get(md, md.keys.checkpoint)):
-        try:
-            manifest, snap = await load(md, ckpt_id)
-        except CheckpointBroken as exc:
-            log.error("checkpoint %s is unusable (%s); trying an older one", ckpt_id, exc)
-            continue
-        problem = unusable(manifest, epoch, first)
-        if problem is not None:
-            log.error("checkpoint %s is %s; not used", ckpt_id, problem)
-            continue
-        try:
-            md.state.restore(snap)  # in place: the store, ingest and metrics hold this one state
-        except SchemaError as exc:
-            log.error("checkpoint %s holds an invalid event (%s); trying an older one", ckpt_id, exc)
-            continue
-        log.info("loaded checkpoint %s at offset %d", ckpt_id, manifest.offset)
-        return manifest
-    if first > 1:
-        raise CheckpointMissing(
-            f"the log {md.keys.log} starts at offset {first} and no complete checkpoint covers "
-            f"the records before it: refusing to start with a wrong state; restore the "
-            f"checkpoint keys {md.keys.checkpoint}* or start the namespace afresh")
-    return None
-
-
 class Checkpointer:
     """Writes checkpoints and trims the log (module docstring); the daemon runs :meth:`run`."""
 
@@ -238,9 +163,9 @@ class Checkpointer:
 
     async def prime(self) -> None:
         """Stats of the newest checkpoint in Redis, and the log's bounds."""
-        self._pointer = await _get(self.md, self.md.keys.checkpoint) or b""
-        for ckpt_id in _decode_ids(self._pointer)[:1]:
-            raw = await _get(self.md, self.md.keys.checkpoint_manifest(ckpt_id))
+        self._pointer = await get_key(self.md, self.md.keys.checkpoint) or b""
+        for ckpt_id in pointer_ids(self._pointer)[:1]:
+            raw = await get_key(self.md, self.md.keys.checkpoint_manifest(ckpt_id))
             try:
                 manifest = decode_manifest(raw, ckpt_id)
             except CheckpointBroken:
@@ -258,7 +183,7 @@ class Checkpointer:
         if self.md.state.offset in (0, self.stats.offset):
             return None
         if self._pointer is None:
-            self._pointer = await _get(self.md, self.md.keys.checkpoint) or b""
+            self._pointer = await get_key(self.md, self.md.keys.checkpoint) or b""
         offset = self.md.state.offset  # no await from here to the fork in export_chunks
         keys = self.md.keys
         ckpt_id = checkpoint_id(self.epoch, offset)
@@ -277,7 +202,7 @@ class Checkpointer:
         except ExportFailed as exc:
             raise CheckpointFailed(str(exc)) from exc
         manifest = Manifest(ckpt_id, offset, self.epoch, time.time(), tuple(checksums), size)
-        kept = tuple(dict.fromkeys((ckpt_id, *_decode_ids(self._pointer))))[:KEEP]
+        kept = tuple(dict.fromkeys((ckpt_id, *pointer_ids(self._pointer))))[:KEEP]
         pointer = encode_ids(kept)
         try:
             await self._call([(keys.checkpoint_manifest(ckpt_id), encode_manifest(manifest)),
@@ -336,7 +261,7 @@ class Checkpointer:
     async def trim(self) -> int:
         """Trim the log to the retention horizon (module docstring); how many records went."""
         md, cfg = self.md, self.config
-        kept = [int(i.split("-", 1)[0]) for i in _decode_ids(self._pointer)
+        kept = [int(i.split("-", 1)[0]) for i in pointer_ids(self._pointer)
                 if i.endswith("-" + self.epoch[:8])]
         first, length = await self._bounds()
         head = md.head

@@ -33,7 +33,7 @@ import msgspec
 from redis.exceptions import RedisError
 
 from events.schema import AllBlocksCleared, BlockRemoved, Event
-from offloadd.log.checkpoint import restore
+from offloadd.log.checkpoint_load import restore
 from offloadd.log.metadata import Append, Persisted, RedisUnavailable
 from offloadd.log.projection import Pipe
 from offloadd.tier.index import BlockState, SlotEntry
