@@ -29,6 +29,7 @@ from events.state import Snapshot
 from kvctl.archive import Archive, complete_length, file_name
 from kvctl.errors import KvctlError
 from kvctl.logsource import log_epoch
+from kvctl.progress import Progress
 
 
 class ArchiveWriter:
@@ -120,6 +121,7 @@ class Archiver:
         self._reader = LogReader(client, keys, (redis.ConnectionError, redis.TimeoutError, OSError))
         self._writer = ArchiveWriter(Path(args.out), keys.namespace, args.rotate_records, args.rotate_bytes)
         self._stop = False
+        self._progress = Progress("archiving", None, "records", False)
         self.archived = 0
         self.gaps = 0
 
@@ -135,6 +137,8 @@ class Archiver:
         say(f"archiving log '{self._keys.namespace}' (epoch {epoch}) to {args.out} after offset {last}"
             + ("" if args.follow else f" up to offset {until}"))
         down_since: float | None = None
+        total = None if until is None else max(0, until - last)
+        self._progress = Progress("archiving", total, "records", getattr(args, "progress", None))
         try:
             while not self._stop and (deadline is None or time.monotonic() < deadline):
                 if until is not None and last >= until:
@@ -161,6 +165,7 @@ class Archiver:
                 last = self._append(records, last, epoch)
         finally:
             self._writer.close()
+            self._progress.close()
 
     def _append(self, records: list[LogRecord], last: int, epoch: str | None) -> int:
         for record in records:
@@ -169,6 +174,7 @@ class Archiver:
             self._writer.append(record, epoch)
             last = record.offset
             self.archived += 1
+            self._progress.advance()
         self._writer.flush()
         return last
 

@@ -57,6 +57,8 @@ def register(subparsers: Any) -> None:
                          help="start a new file after N records (default 1000000)")
     archive.add_argument("--rotate-bytes", type=int, default=256 << 20, metavar="B",
                          help="start a new file after B bytes (default 256 MiB)")
+    archive.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                         help="progress line on stderr (default: when stderr is a terminal)")
     p.set_defaults(handler=run)
 
 

@@ -107,9 +107,10 @@ def test_archive_rotates_and_resumes_without_duplicates_or_holes(
     with (out / "000000000041-epoch-on.jsonl").open("ab") as fp:
         fp.write(b'{"offset":51,"source":"engine-a","inc')  # killed while writing a line
     records += fleet.write(writer, 30)
-    assert kvctl(record) == 0
+    assert kvctl([*record, "--progress"]) == 0
     err = capsys.readouterr().err
     assert "cut off 37 bytes of an unfinished line" in err and "archived 30 records" in err
+    assert "\rarchiving: 30/30 records (100%)" in err
     archived = [json.loads(line)["offset"] for p in sorted(out.glob("*.jsonl"))
                 for line in p.read_text().splitlines()[1:]]
     assert archived == list(range(1, 81))  # each offset once, in order
@@ -304,3 +305,26 @@ def test_follow_archives_a_live_daemons_log_and_survives_its_trims(
         stream.close()
         proc.kill()
         admin.close()
+
+
+def test_a_log_trimmed_while_it_is_read_is_an_error_not_a_skip(
+    redis_url: str, admin: Any, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The horizon moving under a reader: the live log is trimmed between two of the reader's
+    range reads (1000 records each), so the records it was about to read are gone."""
+    import argparse
+
+    from kvctl.errors import KvctlError
+    from kvctl.logsource import open_log
+
+    FleetSimulator(["engine-a"], seed=4).write(LogWriter(admin), 2500)
+    args = argparse.Namespace(log=redis_url, namespace="default", archive=None, progress=False)
+    view = open_log(args)
+    state = view.state()
+    with pytest.raises(KvctlError, match="offset 1001 is gone from the live log .read 2001 next.: "
+                                         "it was trimmed while being read; run the command again"):
+        for record in view.records:
+            state.apply(record)
+            if record.offset == 500:
+                trim_to(admin, 2001)  # the daemon trims while the reader is at offset 500
+    assert state.offset == 1000 and not state.violations  # nothing applied past what was read
