@@ -163,6 +163,12 @@ def test_records_trimmed_before_archived_are_a_reported_gap_bridged_by_the_check
     stats = json.loads(capsys.readouterr().out)
     assert stats["records"] == 80 and stats["missing"] == [[61, 100]]
 
+    png = out.parent / "history.png"
+    assert kvctl(["plot", str(out), "-o", str(png)]) == 0
+    cap = capsys.readouterr()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "(80 records)" in cap.err
+    assert "offsets 61..100 are in neither the archive nor the live log" in cap.err
+
 
 def test_archive_and_live_log_read_as_one_timeline(
     redis_url: str, admin: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
