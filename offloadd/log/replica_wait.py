@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import ConnectionError, NoScriptError, RedisClusterException, RedisError
 
 from rpc.redis_connect import is_cluster
 
@@ -37,8 +37,7 @@ class WaitedScript:
         for _ in range(2):
             pipe = self.client.pipeline(transaction=False)
             pipe.execute_command("EVALSHA", self.script.sha, len(keys), *keys, *args)
-            target = ({"target_nodes": self.client.get_node_from_key(keys[0])}
-                      if self._is_cluster else {})
+            target = {"target_nodes": await self._node_of(keys[0])} if self._is_cluster else {}
             pipe.execute_command("WAIT", self.replicas, self.timeout_ms, **target)
             reply, acked = await pipe.execute(raise_on_error=False)
             if isinstance(reply, NoScriptError):  # a new primary after a failover: load, again
@@ -54,3 +53,11 @@ class WaitedScript:
                                          f"write within {self.timeout_ms} ms")
             return reply
         raise NoScriptError("the write script could not be loaded")
+
+    async def _node_of(self, key: Any) -> Any:
+        """The primary serving ``key``'s slot, after a topology refresh when one is due."""
+        try:
+            await self.client.initialize()  # a no-op unless a failure asked for a refresh
+            return self.client.get_node_from_key(key)
+        except RedisClusterException as exc:  # no node for the slot yet: nothing was sent
+            raise ConnectionError(f"no primary serves the namespace's slot: {exc}") from exc
