@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from events.logkeys import LogKeys
+from kvctl.main import main as kvctl
 from tests.cluster.stack import Node, check_node, cpu_blocks, namespaces_on_shards
 from tests.support.redis_cluster import RedisCluster
 
@@ -62,6 +63,8 @@ def test_daemons_carry_on_when_a_primary_is_killed(tmp_path: Path, cluster: Redi
         state_a, state_b = check_node(a), check_node(b)
         assert a.storer.stats.errors > 0  # the failover was felt
         assert cpu_blocks(state_a) > 0 and cpu_blocks(state_b) > 0
+        for ns in (ns_a, ns_b):  # kvctl reads a namespace's log on the cluster too
+            assert kvctl(["verify", cluster.url, "--namespace", ns]) == 0
     finally:
         a.close()
         b.close()
