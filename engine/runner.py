@@ -16,6 +16,8 @@ All of a step's index tensors travel to the device in one pinned copy.
 
 A small step (few tokens per request) goes to :class:`engine.step_graphs.StepGraphs` instead
 when the runner has one: a padded grid replayed as a CUDA graph (one launch, not ~45 per layer).
+A cold prefill too large for those (one request from position 0, attending densely) replays a
+padded prefill graph (:mod:`engine.prefill_graphs`) on CUDA.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +39,9 @@ from engine.kv_manager import KVCacheManager
 from engine.model.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_graphs import GridRow, StepGraphs
+
+if TYPE_CHECKING:
+    from engine.prefill_graphs import PrefillGraphs
 
 
 @dataclass(frozen=True)
@@ -188,11 +194,11 @@ def _positions(meta: Tensor, batch: int, total: int) -> tuple[Tensor, Tensor]:
     return torch.arange(total, device=dev) - first[row] + starts[row], row
 
 
-def _write_rows(bt: Tensor, row: Tensor, positions: Tensor, layers: int, bs: int) -> Tensor:
+def write_rows(block: Tensor, positions: Tensor, layers: int, bs: int) -> Tensor:
     """``[L, 2, T]``: the flat cache row of each token's K (0) and V (1) in each of the group's
-    layers, ``((block * L + l) * 2 + kv) * bs + offset``."""
-    dev = bt.device
-    base = bt[row, positions // bs] * (layers * 2 * bs) + positions % bs
+    layers, ``((block * L + l) * 2 + kv) * bs + offset``, from each token's block and position."""
+    dev = block.device
+    base = block * (layers * 2 * bs) + positions % bs
     per_layer = (torch.arange(layers, device=dev) * (2 * bs)).view(-1, 1, 1)
     return base.view(1, 1, -1) + per_layer + (torch.arange(2, device=dev) * bs).view(1, 2, 1)
 
@@ -215,6 +221,12 @@ class ModelRunner:
         self.graphs = graphs
         self.block_size = kv.block_size
         self._upload = _Upload(device)
+        self.prefill: PrefillGraphs | None = None
+        """CUDA graphs for cold prefills, beside the step graphs (too large a step for those)."""
+        if graphs is not None:
+            from engine.prefill_graphs import PrefillGraphs  # imports this module's attention
+
+            self.prefill = PrefillGraphs(model, groups, layer_slots, device, min_tokens=graphs.max_tokens)
         # Keys per row rounded up to a multiple of 64 (and whole blocks): aligned for the
         # memory-efficient kernel's mask, and few shapes.
         self._blocks_multiple = 64 // math.gcd(64, self.block_size)
@@ -227,6 +239,13 @@ class ModelRunner:
             return None
         where = self._layer_groups
         return lambda layer: waits.wait_layer(*where[layer])
+
+    def _cold(self, sched: list[ScheduledRequest]) -> bool:
+        """One request computed from position 0 whose every group attends densely."""
+        if len(sched) != 1 or sched[0].start != 0:
+            return False
+        n = sched[0].num_new_tokens
+        return all(g.spec.sliding_window is None or n <= g.spec.sliding_window for g in self.groups)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sample_rows: list[int], waits: LayerWaits | None = None) -> Tensor:
@@ -242,6 +261,9 @@ class ModelRunner:
                 if sample_rows == list(range(len(sample_rows))):
                     return logits[: len(sample_rows)]
                 return logits[torch.tensor(sample_rows, device=logits.device)]
+        if self.prefill is not None and wait is None and self._cold(sched):
+            s = sched[0]
+            return self.prefill.run(_new_token_ids(s), self.kv.block_table(s.request.request_id))[: len(sample_rows)]
         bs = self.block_size
         starts = [s.start for s in sched]
         lens = [s.num_new_tokens for s in sched]
@@ -275,7 +297,7 @@ class ModelRunner:
             plans.append((i_bt, spans, paged))
         dev = up.send()
         positions, row = _positions(dev[i_meta], batch, total)
-        steps = [GroupStep(_write_rows(dev[i_bt], row, positions, int(g.tensor.shape[1]), bs), spans,
+        steps = [GroupStep(write_rows(dev[i_bt][row, positions // bs], positions, int(g.tensor.shape[1]), bs), spans,
                            self._finish_paged(dev, paged))
                  for g, (i_bt, spans, paged) in zip(self.groups, plans, strict=True)]
         attn = PagedAttention(self.groups, self.layer_slots, steps, wait)

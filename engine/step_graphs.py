@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine import grid_kernels
 from engine.kv_cache import KVCacheGroup, first_visible_block
 from engine.model.llama import LlamaForCausalLM
 from engine.offload.cuda_runtime import CudaArray
@@ -136,6 +137,8 @@ class _GridAttention:
         flat.index_copy_(0, rows[li, 1], v)
         r, nq = self.shape.rows, self.shape.queries
         cache = self.caches[g]
+        if grid_kernels.usable(q, cache):
+            return grid_kernels.grid_attention(q, cache, li, self.gathers[g], self.hidden[g], r, nq)
         hkv, d = k.shape[1], k.shape[2]
         rep = q.shape[1] // hkv
         kv = cache[:, li].index_select(0, self.gathers[g])  # [R * NB, 2, bs, Hkv, D]: K and V at once
@@ -265,23 +268,12 @@ class StepGraphs:
     def _warm_up(self, shape: GridShape, inputs: _Inputs, wait: Callable[[int], None] | None) -> None:
         """Two eager passes on a side stream: lazy cuBLAS/kernel initialisation must not happen
         during capture. They write the same K/V as the replay will, so they change nothing."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(shape, inputs, wait)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        warm_up(lambda: self._forward(shape, inputs, wait), self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
 
     def _graph(self, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the offload connector's worker thread keeps issuing its own copies,
-        # event queries and host registrations meanwhile; in the default (global) mode any of
-        # them would invalidate this capture (found by the e2e GPU offload test).
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = fn()
-        return graph, out
+        return record(fn, self._pool)
 
     def _capture(self, shape: GridShape, inputs: _Inputs) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         self._warm_up(shape, inputs, None)
@@ -375,6 +367,28 @@ class StepGraphs:
         x, cos, sin = self.model.embed(ids, q_pos.reshape(-1))
         return x, cos, sin, attn, inputs.part(flat, "ends")
 
+
+
+def warm_up(fn: Callable[[], Any], device: torch.device) -> None:
+    """Two eager runs on a side stream: lazy cuBLAS/kernel initialisation must not happen
+    during capture (the runs must write what the replay will write, so they change nothing)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+
+
+def record(fn: Callable[[], Any], pool: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``fn`` captured as a graph in ``pool``, and what it returned (its output tensors)."""
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: the offload connector's worker thread keeps issuing its own copies,
+    # event queries and host registrations meanwhile; in the default (global) mode any of
+    # them would invalidate this capture (found by the e2e GPU offload test).
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
 
 
 def _blocks_bucket(n: int) -> int:

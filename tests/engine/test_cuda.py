@@ -130,3 +130,79 @@ def test_fused_model_is_as_close_to_float32_as_eager(plain_model: Path, dtype: t
         err[on] = (logits(model) - ref).abs().mean().item()
     assert err[True] <= 1.25 * err[False] + 1e-4, err
     torch.testing.assert_close(logits(model), ref, atol=0.15, rtol=0.1)
+
+
+@pytest.mark.parametrize("which", ["plain_model", "hybrid_model"])
+def test_cold_prefill_graphs_match_eager_steps(request: pytest.FixtureRequest, which: str) -> None:
+    """Cold prefills too large for the step graphs replay a padded prefill graph
+    (engine.prefill_graphs): same greedy tokens and logits as the eager runner, the padding's
+    K/V kept out of the request's blocks (the decodes after it and a prefix hit read them)."""
+    path: Path = request.getfixturevalue(which)
+    window = 30 if which == "hybrid_model" else 200
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (window, window - 7, 19)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, return_logits=True)
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(str(path), device="cuda", dtype="float32", max_num_batched_tokens=256, cuda_graph_max_tokens=8,
+                  enforce_eager=eager)
+        outs = [llm.generate(p, params)[0] for p in prompts] + llm.generate(prompts[:1], params)
+        prefill = llm.engine.runner.prefill
+        if eager:
+            assert prefill is None
+        else:
+            assert prefill is not None and prefill.captures >= 1 and prefill.steps >= len(prompts)
+        assert outs[-1].num_cached_tokens > 0
+        runs[eager] = outs
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        torch.testing.assert_close(torch.stack(b.outputs[0].logits), torch.stack(a.outputs[0].logits),
+                                   atol=1e-3, rtol=1e-3)
+
+
+def _grid_attention_case(device: str, dtype: torch.dtype, rows: int, queries: int, nb: int,
+                         window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton grid attention and the eager grid formula on one random layer: (kernel, eager,
+    valid query rows)."""
+    from engine import grid_kernels
+    from engine.kv_cache import KVCacheGroup, KVCacheGroupSpec
+    from engine.step_graphs import GridShape, _GridAttention
+
+    g = torch.Generator().manual_seed(rows * 100 + queries * 10 + nb)
+    layers, bs, hkv, hq, d = 3, 16, 2, 8, 64
+    cache = torch.randn(41, layers, 2, bs, hkv, d, generator=g).to(device, dtype)
+    gather = torch.randint(1, 41, (rows * nb,), generator=g).to(device)
+    keys = torch.arange(nb * bs)
+    starts = torch.randint(0, nb * bs - queries, (rows,), generator=g)
+    q_pos = starts[:, None] + torch.arange(queries)[None]
+    counts = torch.tensor([queries] + [max(1, queries - 1)] * (rows - 1))
+    allowed = keys[None, None] <= q_pos[:, :, None]
+    if window is not None:
+        allowed &= keys[None, None] > q_pos[:, :, None] - window
+    valid = torch.arange(queries)[None] < counts[:, None]
+    hidden = (~torch.where(valid[:, :, None], allowed, keys == 0))[:, None].to(device)
+    q = torch.randn(rows * queries, hq + hkv, d, generator=g).to(device, dtype)[:, :hq]
+    out = grid_kernels.grid_attention(q, cache, 1, gather, hidden, rows, queries)
+    spec = KVCacheGroupSpec(0, "full_attention", None, tuple(range(layers)))
+    eager = _GridAttention([KVCacheGroup(spec, cache, bs)], {i: (0, i) for i in range(layers)},
+                           GridShape(rows, queries, (nb,)), [torch.zeros(layers, 2, rows * queries, dtype=torch.long,
+                                                                         device=device)], [gather], [hidden])
+    eager.flat = [torch.zeros(8, hkv, d, dtype=dtype, device=device)]  # its K/V writes go to scratch
+    scratch = torch.zeros(rows * queries, hkv, d, dtype=dtype, device=device)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grid_kernels, "usable", lambda *_: False)
+        ref = eager(1, q, scratch, scratch)
+    return out, ref, valid.reshape(-1).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "queries", "nb", "window"),
+                         [(1, 1, 256, None), (32, 1, 16, None), (3, 16, 8, 40), (5, 2, 4, None)])
+def test_grid_attention_kernel_matches_eager_formula(dtype: torch.dtype, rows: int, queries: int, nb: int,
+                                                     window: int | None) -> None:
+    """engine.grid_kernels (one row's keys split over many programs, then merged) against the
+    grid's eager gather + two GEMMs + softmax, masks with a window and padded query slots."""
+    pytest.importorskip("triton")
+    out, ref, valid = _grid_attention_case("cuda", dtype, rows, queries, nb, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[valid], ref[valid], atol=tol, rtol=tol)
