@@ -17,8 +17,8 @@ holds, from its oldest batch) and what follows live. Blocks stored before the ri
 are unknown then, so the log under-reports rather than claims blocks that may be gone.
 
 Batches already waiting together (a burst, a replay) are handed to offloadd as one batch of
-their events in order, up to MERGE_EVENTS and MERGE_VALUES: one log record then holds several
-vLLM batches.
+their events in order (ingest.sink bounds the size): one log record then holds several vLLM
+batches.
 
 Without a replay socket a gap or a restart re-syncs from what follows. A quiet publisher is
 asked for what follows the anchor every ``idle_sync_s``: a lost last batch and a quiet restart
@@ -34,24 +34,20 @@ from collections import deque
 from typing import Final
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from events.schema import BlockRemoved, BlockStored, Event
-from events.wire_frames import seq_bytes
+from events.schema import BlockRemoved, BlockStored
 from ingest.config import IngestConfig, VllmSource, source_name
 from ingest.errors import Garbage
 from ingest.metrics import Health, IngestMetrics
+from ingest.replay_client import ReplayClient, continuity
 from ingest.sink import SourceSink
-from ingest.wire import Frame, decode, parse_live, parse_reply
+from ingest.wire import Frame, decode, parse_live
 from offloadd.client import ClientSecurity
 
 log = logging.getLogger("kvingest")
 
 RECENT: Final = 20_000  # digests kept: more than vLLM's ring (10,000 batches)
-# Consecutive batches already received are sent as one batch of at most this many events and
-# values (block hashes plus token ids): a record stays far below gRPC's 4 MiB message limit and
-# the daemon's batch limit.
-MERGE_EVENTS: Final = 1024
-MERGE_VALUES: Final = 65_536
 _POLL_MS: Final = 50
 _DRAIN: Final = 256  # live messages handled per poll
 
@@ -74,12 +70,13 @@ class Follower:
         self._recent: dict[int, int] = {}
         self._recent_order: deque[int] = deque()
         self._garbage_seen: set[str] = set()
-        self._merged: list[Event] = []  # applied, not yet handed to the sink
-        self._merged_values = 0
         self._last_live = self._last_contact = time.monotonic()
         self._stop = threading.Event()
         self._sub: zmq.Socket[bytes] | None = None
-        self._dealer: zmq.Socket[bytes] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._down_since: float | None = None  # the SUB's connection lost, not yet back
+        self._replay = (None if spec.replay is None else
+                        ReplayClient(ctx, spec.replay, config.replay_timeout_s, self._garbage))
         m = metrics
         self._m_batches = m.batches.labels(self.label)
         self._m_blocks = m.block_events.labels(self.label)
@@ -93,6 +90,7 @@ class Follower:
         sub.setsockopt(zmq.RCVHWM, 0)  # never drop on our side: a gap is the publisher's doing
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sub.connect(self.spec.pub)
         self._health.update(self.label, "waiting for the publisher")
         try:
@@ -102,6 +100,7 @@ class Follower:
             self._shutdown()
 
     def _step(self, sub: zmq.Socket[bytes]) -> None:
+        self._watch_connection()
         if self.sink is not None and self.sink.needs_resync.is_set():
             self.resync("offloadd stream reset")
         if sub.poll(_POLL_MS, zmq.POLLIN):
@@ -122,6 +121,29 @@ class Follower:
             "waiting for the publisher" if self.next_seq is None else f"following, next seq {self.next_seq}",
             connected=None if stream is None else stream.is_connected)
 
+    def _watch_connection(self) -> None:
+        """The SUB socket's connection to the publisher: one gone longer than its lease is taken
+        for gone (its source cleared), with or without a replay socket; one that is back is
+        checked at once (a restarted engine's first batches may have been sent before)."""
+        assert self._monitor is not None
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._down_since = self._down_since or time.monotonic()
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._down_since is not None:
+                self._down_since = None
+                self._last_live = 0.0  # the idle check runs at the next quiet poll
+        down = self._down_since
+        if (down is not None and self.next_seq is not None
+                and time.monotonic() - down > self.config.publisher_lease_s):
+            self._lost_publisher()
+
+    def _lost_publisher(self) -> None:
+        log.warning("%s: publisher unreachable for %.0f s: clearing its source", self.label,
+                    self.config.publisher_lease_s)
+        self._metrics.resyncs.labels(self.label, "publisher unreachable").inc()
+        self._end_life()
+
     def _shutdown(self) -> None:
         self._flush()
         if self.sink is not None:
@@ -129,9 +151,13 @@ class Follower:
                 log.warning("%s: batches not acked by offloadd before stopping", self.label)
             self.sink.close()
             self.sink = None
-        for sock in (self._sub, self._dealer):
+        if self._sub is not None and self._monitor is not None:
+            self._sub.disable_monitor()
+        for sock in (self._monitor, self._sub):
             if sock is not None:
                 sock.close(linger=0)
+        if self._replay is not None:
+            self._replay.close()
 
     # -- live -------------------------------------------------------------------------------
 
@@ -169,11 +195,11 @@ class Follower:
             return
         assert self.next_seq is not None
         anchor = self.next_seq - 1 if self.next_seq - 1 in self._recent else self.next_seq
-        frames = self._replay_from(anchor)
+        frames = self._ask(anchor)
         if frames is None:
             self.resync("replay unreachable", live, use_ring=False)
             return
-        verdict = self._continuity(anchor, frames)
+        verdict = continuity(self.next_seq, anchor, self._recent.get(anchor), frames)
         if verdict:
             self.resync(verdict, live)
             return
@@ -189,43 +215,23 @@ class Follower:
         else:  # the replay ended before the live batch: nothing can fill that now
             self.resync("gap not filled by the replay", live, use_ring=False)
 
-    def _continuity(self, anchor: int, frames: list[Frame]) -> str:
-        """"" when ``frames`` continue the life followed; else the re-sync reason."""
-        assert self.next_seq is not None
-        if anchor < self.next_seq:
-            for frame in frames:
-                if frame.seq == anchor:
-                    same = hash(frame.payload) == self._recent.get(anchor)
-                    return "" if same else "publisher restarted (other content at a seq)"
-        if not frames:
-            return "publisher restarted (its ring ends before our seq)" if anchor < self.next_seq else ""
-        first = frames[0].seq
-        if first > self.next_seq:
-            return "ring no longer holds the gap"
-        if first < anchor:
-            return "publisher restarted (replay before the seq asked)"
-        return ""
-
     def _idle(self) -> None:
         self._last_live = time.monotonic()
         if self.spec.replay is None:
             return
         if self.next_seq is None:
-            frames = self._replay_from(0)
+            frames = self._ask(0)
             if frames:
                 self.resync("first contact")
             return
         anchor = self.next_seq - 1 if self.next_seq - 1 in self._recent else self.next_seq
-        frames = self._replay_from(anchor)
+        frames = self._ask(anchor)
         if frames is None:
             if time.monotonic() - self._last_contact > self.config.publisher_lease_s:
-                log.warning("%s: publisher unreachable for %.0f s: clearing its source",
-                            self.label, self.config.publisher_lease_s)
-                self._metrics.resyncs.labels(self.label, "publisher unreachable").inc()
-                self._end_life()
+                self._lost_publisher()
             return
         self._last_contact = time.monotonic()
-        verdict = self._continuity(anchor, frames)
+        verdict = continuity(self.next_seq, anchor, self._recent.get(anchor), frames)
         if verdict:
             self.resync(verdict)
             return
@@ -245,7 +251,7 @@ class Follower:
         if reason != "first contact":
             log.warning("%s: re-sync (%s): the source is cleared and rebuilt", self.label, reason)
         self._end_life()
-        frames = self._replay_from(0) if use_ring and self.spec.replay is not None else None
+        frames = self._ask(0) if use_ring and self.spec.replay is not None else None
         if frames:
             if frames[0].seq != 0:
                 log.info("%s: the ring starts at seq %d: blocks stored before it are unknown",
@@ -256,8 +262,6 @@ class Follower:
             self._apply(live)
 
     def _end_life(self) -> None:
-        self._merged = []  # the life's last events: cleared with it
-        self._merged_values = 0
         if self.sink is not None:
             self.sink.close()  # goodbye: the daemon clears the source's tiers
             self.sink = None
@@ -298,11 +302,7 @@ class Follower:
                     tokens += len(e.token_ids)
                 elif type(e) is BlockRemoved:
                     blocks += len(e.block_hashes)
-            if (len(self._merged) + len(batch.events) > MERGE_EVENTS
-                    or self._merged_values + blocks + tokens > MERGE_VALUES):
-                self._flush()
-            self._merged.extend(batch.events)
-            self._merged_values += blocks + tokens
+            self.sink.add(batch.events, blocks + tokens, self._stop)
             self._m_batches.inc()
             self._m_blocks.inc(blocks)
         if replayed:
@@ -310,12 +310,9 @@ class Follower:
         self._advance(frame)
 
     def _flush(self) -> None:
-        """Hand the events applied so far to the sink as one batch: the consecutive batches
-        that were waiting together share one log record (DECISIONS: kv-ingest merges)."""
-        if self._merged and self.sink is not None:
-            self.sink.submit(self._merged, self._stop)
-        self._merged = []
-        self._merged_values = 0
+        """Hand what was applied to offloadd: the batches that waited together go as one."""
+        if self.sink is not None:
+            self.sink.send(self._stop)
 
     def _advance(self, frame: Frame) -> None:
         self.next_seq = frame.seq + 1
@@ -334,34 +331,9 @@ class Follower:
             log.warning("%s: dropping what does not follow the wire (%s); further ones of this "
                         "kind are only counted (kvingest_garbage)", self.label, exc)
 
-    # -- replay socket ----------------------------------------------------------------------
-
-    def _replay_from(self, start: int) -> list[Frame] | None:
-        """Every batch the publisher's ring holds from ``start``; None when it does not answer
-        within ``replay_timeout_s`` (between two messages)."""
-        assert self.spec.replay is not None
-        if self._dealer is None:
-            self._dealer = self._ctx.socket(zmq.DEALER)
-            self._dealer.setsockopt(zmq.LINGER, 0)
-            self._dealer.setsockopt(zmq.RCVHWM, 0)
-            self._dealer.connect(self.spec.replay)
-        dealer = self._dealer
-        # REQ's envelope: an empty delimiter, then the start seq (a REQ socket would accept only
-        # the first of the reply's messages, so real clients use a DEALER).
-        dealer.send_multipart([b"", seq_bytes(start)])
-        out: list[Frame] = []
-        timeout_ms = int(self.config.replay_timeout_s * 1000)
-        while dealer.poll(timeout_ms, zmq.POLLIN):
-            try:
-                frame = parse_reply(dealer.recv_multipart())
-            except Garbage as exc:
-                self._garbage(exc)
-                continue
-            if frame is None:
-                self._last_contact = time.monotonic()
-                return out
-            out.append(frame)
-        # A late answer would be taken for the next one's: start on a fresh socket.
-        dealer.close(linger=0)
-        self._dealer = None
-        return None
+    def _ask(self, start: int) -> list[Frame] | None:
+        assert self._replay is not None
+        frames = self._replay.replay_from(start)
+        if frames is not None:
+            self._last_contact = time.monotonic()
+        return frames

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
-from ingest.follower import MERGE_VALUES
+from ingest.sink import MERGE_VALUES
 from ingest.vllm_publisher import VllmStylePublisher
 from offloadd.client import OffloadClient
 from tests.ingest.conftest import records, state_of, stored, view_is, wait_for

@@ -106,3 +106,19 @@ def test_offloadd_down_is_unhealthy_and_nothing_is_lost_when_it_is_back(
         wait_for(view_is(again, {("pod-a", "GPU", 0): frozenset({1, 2, 3})}), timeout_s=20,
                  what="the batches sent while offloadd was down")
     wait_for(lambda: ingest.health()[0] == 200, what="healthy again")
+
+
+def test_a_publisher_gone_past_its_lease_is_cleared_even_without_a_replay_socket(
+    client: OffloadClient, publishers: list[VllmStylePublisher],
+    start_ingest: Callable[..., IngestProcess],
+) -> None:
+    pub, _ = vllm_endpoints()
+    vllm = VllmStylePublisher(pub)
+    ingest = start_ingest(f"pod-a={pub}", extra=("--publisher-lease-s", "0.5"))
+    wait_for(lambda: _published_until_seen(vllm, client), what="the first batch")
+    vllm.close()  # the pod is gone: its GPU cache with it
+    wait_for(view_is(client, {}), what="the source cleared after the lease")
+    assert ingest.metric("kvingest_resyncs_total", source="pod-a", reason="publisher unreachable") == 1
+    vllm = VllmStylePublisher(pub)  # a new pod on the same address
+    publishers.append(vllm)
+    wait_for(lambda: _published_until_seen(vllm, client), what="the new life followed")
