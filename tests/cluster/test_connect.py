@@ -61,7 +61,8 @@ def test_standalone_clients(redis_url: str) -> None:
     assert asyncio.run(ping())
 
 
-def test_cluster_clients_and_slots(tmp_path: object, cluster: RedisCluster) -> None:
+def test_cluster_clients_and_slots(tmp_path: object, shared_cluster: RedisCluster) -> None:
+    cluster = shared_cluster
     client = connect(cluster.url.split(",")[0])  # one seed is enough
     assert is_cluster(client)
     keys = LogKeys("n1")

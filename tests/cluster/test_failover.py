@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from events.logkeys import LogKeys
 from kvctl.main import main as kvctl
 from tests.cluster.stack import Node, check_node, cpu_blocks, namespaces_on_shards
@@ -33,6 +35,7 @@ def _wait_stores(node: Node, more_than: int, timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_daemons_carry_on_when_a_primary_is_killed(tmp_path: Path, cluster: RedisCluster) -> None:
     ns_a, ns_b = namespaces_on_shards(cluster, 2)
     a = Node.start(tmp_path / "a", cluster.url, ns_a, "--redis-wait-replicas", "1",

@@ -15,7 +15,6 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
 import redis
 
 from events.logkeys import LogKeys
@@ -23,7 +22,6 @@ from tests.cluster.stack import Node, check_node
 from tests.support.redis_cluster import RedisCluster
 
 
-@pytest.mark.slow
 def test_lost_writes_end_the_log_and_start_a_new_epoch(tmp_path: Path, cluster: RedisCluster) -> None:
     keys = LogKeys("lossy")
     node = Node.start(tmp_path / "n", cluster.url, keys.namespace)
