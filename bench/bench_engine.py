@@ -96,26 +96,27 @@ def bench_shape(name: str, device: str, repeat: int) -> list[dict[str, Any]]:
             rows.append({"model": name, "phase": f"prefill {b}x{n}", "engine_tok_s": b * n / t_engine,
                          "dense_tok_s": b * n / t_dense, "ratio": t_dense / t_engine})
 
-        db, dt = cfg["decode_batch"], cfg["decode_tokens"]
-        prompts = [torch.randint(0, min(spec.vocab_size, 256), (128,), generator=gen).tolist() for _ in range(db)]
+        dt = cfg["decode_tokens"]
+        for db in (1, cfg["decode_batch"]):
+            prompts = [torch.randint(0, min(spec.vocab_size, 256), (128,), generator=gen).tolist() for _ in range(db)]
 
-        def decode() -> float:
-            core = llm.engine
-            params = SamplingParams(temperature=0.0, max_tokens=dt + 1, ignore_eos=True)
-            for p in prompts:
-                core.add_request(p, params)
-            core.step()  # prefill + first token
-            _sync(device)
-            t0 = time.perf_counter()
-            while core.has_unfinished:
-                core.step()
-            _sync(device)
-            return time.perf_counter() - t0
+            def decode(prompts: list[list[int]] = prompts) -> float:
+                core = llm.engine
+                params = SamplingParams(temperature=0.0, max_tokens=dt + 1, ignore_eos=True)
+                for p in prompts:
+                    core.add_request(p, params)
+                core.step()  # prefill + first token
+                _sync(device)
+                t0 = time.perf_counter()
+                while core.has_unfinished:
+                    core.step()
+                _sync(device)
+                return time.perf_counter() - t0
 
-        decode()
-        t_dec = statistics.median(decode() for _ in range(repeat))
-        rows.append({"model": name, "phase": f"decode batch {db}", "engine_tok_s": db * dt / t_dec,
-                     "dense_tok_s": None, "ratio": None})
+            decode()
+            t_dec = statistics.median(decode() for _ in range(repeat))
+            rows.append({"model": name, "phase": f"decode batch {db}", "engine_tok_s": len(prompts) * dt / t_dec,
+                         "step_ms": t_dec / dt * 1e3, "dense_tok_s": None, "ratio": None})
     return rows
 
 

@@ -33,6 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.dense_forward import time_dense  # noqa: E402
 from engine.offload.config import COPY_MODES  # noqa: E402
 from engine.offload.copies import ArenaBlocks  # noqa: E402
 from engine.offload.cuda_runtime import (  # noqa: E402
@@ -204,13 +205,13 @@ def _layer_loads(kv: torch.Tensor, ids: list[int], scattered: list[int], runs: l
 
 
 def _profile(llm: Any, conn: Any, rng: random.Random, vocab: int, n: int, params: Any) -> None:
-    """Where a GPU hit and a CPU hit spend their time (cProfile, top functions by own time)."""
+    """Where a cold prefill, a GPU hit and a CPU hit spend their time (cProfile, top functions
+    by own time)."""
     import cProfile
     import pstats
 
     prompt = [rng.randrange(vocab) for _ in range(n)]
-    llm.generate(prompt, params)
-    for name in ("gpu_hit", "cpu_hit"):
+    for name in ("cold", "gpu_hit", "cpu_hit"):
         # The previous request's store runs on the connector's worker thread: wait for it, or
         # the profile shows this thread waiting for the GIL (in whatever it happened to call).
         conn.flush()
@@ -276,7 +277,7 @@ def _profile(llm: Any, conn: Any, rng: random.Random, vocab: int, n: int, params
 
 
 def _breakdown(llm: Any, conn: Any, prompt: list[int], params: Any, reps: int = 5) -> dict[str, dict[str, float]]:
-    """Host wall time per engine stage of a GPU hit and a CPU hit (medians, ms), by timing
+    """Host wall time per engine stage of a cold prefill, a GPU hit and a CPU hit (medians, ms), by timing
     wrappers set on this engine's instances for the measurement (no profiler overhead)."""
     e = llm.engine
     targets = [(e, "prepare_prompt"), (e, "add_prepared"), (e, "step"), (e.kv, "find_prefix_hit"),
@@ -301,7 +302,7 @@ def _breakdown(llm: Any, conn: Any, prompt: list[int], params: Any, reps: int = 
         setattr(obj, name, timed(label, getattr(obj, name)))
     out: dict[str, dict[str, float]] = {}
     rng = random.Random(len(prompt))
-    rows: dict[str, dict[str, list[float]]] = {"gpu_hit": {}, "cpu_hit": {}}
+    rows: dict[str, dict[str, list[float]]] = {"cold": {}, "gpu_hit": {}, "cpu_hit": {}}
     try:
         # As the TTFT loop does: a new prompt each time, computed cold and stored, then a GPU
         # hit and a CPU hit (the same prompt over and over measured up to 1.5 ms less).
@@ -315,9 +316,8 @@ def _breakdown(llm: Any, conn: Any, prompt: list[int], params: Any, reps: int = 
                 llm.generate(fresh, params)
                 spent["generate"] = time.perf_counter() - t0
                 conn.flush()
-                if kind != "cold":
-                    for k, v in spent.items():
-                        rows[kind].setdefault(k, []).append(v * 1e3)
+                for k, v in spent.items():
+                    rows[kind].setdefault(k, []).append(v * 1e3)
             llm.reset_prefix_cache()
         out = {kind: {k: statistics.median(v) for k, v in r.items()} for kind, r in rows.items()}
     finally:
@@ -411,6 +411,9 @@ def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir:
                   num_gpu_blocks=prompt_len // 16 * 2 + 16, max_num_batched_tokens=prompt_len + 64,
                   max_model_len=prompt_len + 64, enforce_eager=eager)
         kv_token_bytes = sum(g.block_bytes for g in llm.engine.kv_groups) // 16
+        # The minimal dense forward of the same weights (bench/dense_forward.py), before and
+        # after the TTFT loop; the faster of the two medians is kept.
+        dense = time_dense(llm.engine.model, prompt_len, max(3, iters))
         params = SamplingParams(max_tokens=1, temperature=0.0)
         rng = random.Random(1)
         vocab = spec["vocab_size"]
@@ -435,6 +438,8 @@ def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir:
             if it:
                 for k, v in sample.items():
                     times[k].append(v)
+        dense = {k: min(v, w) for (k, v), w in zip(dense.items(), time_dense(llm.engine.model, prompt_len,
+                                                                              max(3, iters)).values(), strict=True)}
         llm.generate(prompt, params)
         conn.flush()
         decode_s = _decode_step(llm, prompt)
@@ -455,6 +460,8 @@ def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir:
                                       decode_step_ms=decode_s * 1e3, host_stages_ms=stages, lookup_rpc_ms=rpc,
                                       **{f"{k}_ms": v * 1e3 for k, v in med.items()},
                                       cold_over_cpu_hit=med["cold"] / med["cpu_hit"],
+                                      **dense, cold_over_dense=med["cold"] * 1e3 / dense["dense_ms"],
+                                      dense_over_cpu_hit=dense["dense_ms"] / (med["cpu_hit"] * 1e3),
                                       cpu_hit_wins=sum(c > h for c, h in zip(times["cold"], times["cpu_hit"], strict=True)),
                                       connector=conn.stats())
         if limit_load_GBps:
@@ -470,12 +477,33 @@ def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir:
         shutil.rmtree(daemon.arena_dir, ignore_errors=True)
 
 
+def _cold_fit(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per model and engine mode with 2+ prompt lengths: least-squares ``cold = fixed + per_token
+    * n``, and the same for the dense forward (the engine's fixed cost beyond the forward)."""
+    out: dict[str, dict[str, float]] = {}
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(f"{r['model']} eager={r['eager']} layerwise={r['layerwise']} speculate={r['speculate']}", []).append(r)
+    for key, rs in groups.items():
+        if len({r["prompt_len"] for r in rs}) < 2:
+            continue
+        fit = {}
+        for col in ("cold_ms", "dense_ms"):
+            xs, ys = [r["prompt_len"] for r in rs], [r[col] for r in rs]
+            slope, intercept = statistics.linear_regression(xs, ys)
+            fit[f"{col[:-3]}_fixed_ms"], fit[f"{col[:-3]}_us_per_token"] = intercept, slope * 1e3
+        out[key] = fit
+        print(f"fit {key}: " + ", ".join(f"{k} {v:.2f}" for k, v in fit.items()))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["bandwidth", "ttft", "all"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default=None, help="1b, tiny-plain, tiny-hybrid (default: by device)")
-    p.add_argument("--prompt-len", type=int, default=None)
+    p.add_argument("--prompt-len", default=None,
+                   help="ttft: tokens per prompt, comma-separated for several (default 4096 on CUDA, 1024 on CPU)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--blocks", type=int, default=None)
     p.add_argument("--modes", default=DEFAULT_MODES,
@@ -520,9 +548,12 @@ def main() -> None:
         limit = rows[0]["limit_load_GBps"]
     if a.what in ("ttft", "all"):
         models = [a.model] if a.model else (["1b"] if device.type == "cuda" else ["tiny-plain", "tiny-hybrid"])
-        plen = a.prompt_len or (4096 if device.type == "cuda" else 1024)
+        try:
+            plens = [int(x) for x in a.prompt_len.split(",")] if a.prompt_len else [4096 if device.type == "cuda" else 1024]
+        except ValueError:
+            p.error(f"--prompt-len: expected integers separated by commas, got {a.prompt_len!r}")
         results["ttft"] = []
-        for m, mode in [(m, e) for m in models for e in a.engines.split(",")]:
+        for m, mode, plen in [(m, e, n) for m in models for e in a.engines.split(",") for n in plens]:
             base, *suffixes = mode.split("-")
             if base not in ("graphs", "eager") or not set(suffixes) <= {"whole", "ask"}:
                 p.error(f"--engines: unknown mode {mode!r} (graphs or eager, then -whole and/or -ask)")
@@ -533,7 +564,10 @@ def main() -> None:
             print(f"{m} [{mode}, {r['graph_steps']} grid steps, {r['graph_captures']} captures]: prompt {plen}  cold {r['cold_ms']:.1f} ms  GPU hit {r['gpu_hit_ms']:.1f} ms  "
                   f"CPU hit {r['cpu_hit_ms']:.1f} ms  cold/CPU-hit {r['cold_over_cpu_hit']:.1f}x  "
                   f"wins {r['cpu_hit_wins']}/{a.iters}  decode step {r['decode_step_ms']:.2f} ms"
-                  + (f"  bound {r['bound_ms']:.1f} ms (CPU hit / bound {r['cpu_hit_over_bound']:.2f})" if "bound_ms" in r else ""))
+                  + (f"  bound {r['bound_ms']:.1f} ms (CPU hit / bound {r['cpu_hit_over_bound']:.2f})" if "bound_ms" in r else "")
+                  + f"  dense {r['dense_ms']:.1f} ms (cold / dense {r['cold_over_dense']:.2f}, dense / CPU hit "
+                    f"{r['dense_over_cpu_hit']:.1f}x)  bare {r['bare_ms']:.1f} ms")
+        results["cold_fit"] = _cold_fit(results["ttft"])
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1, default=str))
 
