@@ -3,7 +3,7 @@
 All keys live under ``kvd:{<namespace>}:``: the braces are a Redis Cluster hash tag, so every
 key of a namespace hashes to one slot (its scripts and transactions stay single-slot) and
 namespaces spread over a cluster's shards. The daemon writes them; the bridge and kvctl read
-the log and the head offset. Daemons before DECISIONS 35 used ``kvd:<namespace>:`` without the
+the log and the head offset. Daemons before DECISIONS 40 used ``kvd:<namespace>:`` without the
 braces (:attr:`LogKeys.legacy_prefix`); the daemon renames such keys at start.
 """
 
@@ -28,7 +28,7 @@ class LogKeys:
 
     @property
     def legacy_prefix(self) -> str:
-        """The prefix before hash tags (DECISIONS 35): only the key migration reads it."""
+        """The prefix before hash tags (DECISIONS 40): only the key migration reads it."""
         return f"kvd:{self.namespace}:"
 
     @property

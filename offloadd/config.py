@@ -67,7 +67,7 @@ class OffloaddConfig:
     redis_wait_replicas: int = 0
     """Acknowledge a log write only once this many replicas have it (Redis WAIT after each
     write); 0 = once the primary has it, so a failover may lose the newest writes: the daemon
-    then ends the log and a new epoch starts (DECISIONS 35)."""
+    then ends the log and a new epoch starts (DECISIONS 40)."""
     redis_wait_timeout_ms: int = 1000
     """How long a write waits for those replicas; past it the write is in doubt (UNAVAILABLE)."""
     redis_timeout_s: float = 2.0

@@ -1,4 +1,4 @@
-"""Keys of daemons before hash tags (``kvd:<ns>:*``) renamed to ``kvd:{<ns>}:*`` (DECISIONS 35).
+"""Keys of daemons before hash tags (``kvd:<ns>:*``) renamed to ``kvd:{<ns>}:*`` (DECISIONS 40).
 
 Run at start, before the owner lease is taken. Only a standalone or Sentinel-managed Redis can
 hold them: an older daemon's write script spans several slots, so it never ran on a Cluster.
@@ -56,6 +56,6 @@ async def migrate_legacy_keys(client: Any, keys: LogKeys) -> int:
         log.error("namespace %s has keys of both forms (%s* and %s*): the old ones are left "
                   "alone; delete them once nothing needs them", keys.namespace, old, keys.prefix)
         return 0
-    log.warning("renamed %d keys of namespace %s from %s* to %s* (DECISIONS 35)",
+    log.warning("renamed %d keys of namespace %s from %s* to %s* (DECISIONS 40)",
                 renamed, keys.namespace, old, keys.prefix)
     return renamed

@@ -265,7 +265,7 @@ class MetadataStore:
         self.retake_owner: Callable[[], Awaitable[str]] | None = None
 
     def wait_for_replicas(self, replicas: int, timeout_ms: int) -> None:
-        """Acknowledge appends only once ``replicas`` replicas have them (DECISIONS 35)."""
+        """Acknowledge appends only once ``replicas`` replicas have them (DECISIONS 40)."""
         self._script = WaitedScript(self.client, self._script, replicas, timeout_ms)
 
     @property
