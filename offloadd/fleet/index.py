@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from events.checkpoint import candidates
 from events.logkeys import LogKeys
 from events.logreader import LogReader
 from events.state import CacheState
@@ -43,7 +44,7 @@ class FleetIndex:
         for node in self._nodes.values():
             epoch = self._client.get(node.reader.keys.epoch)
             if epoch != node.epoch:  # a new log (or the first look): from its start
-                node.epoch, node.state = epoch, CacheState()
+                self._start(node, epoch)
             records = list(node.reader.iter_range(node.state.offset + 1))
             for record in records:
                 node.state.apply(record)
@@ -52,6 +53,19 @@ class FleetIndex:
                             if s == DAEMON_SOURCE and m == "CPU"}
             applied += len(records)
         return applied
+
+    def _start(self, node: _Node, epoch: bytes | None) -> None:
+        """Read a node's log afresh: from offset 1, or, when it is trimmed, from its newest
+        usable checkpoint (events.checkpoint, as the bridge and kvctl bootstrap)."""
+        node.epoch, node.state, node.cpu = epoch, CacheState(), {}
+        first = node.reader.first_offset()
+        if first <= 1:
+            return
+        text = epoch.decode() if isinstance(epoch, bytes) else epoch
+        for c in candidates(node.reader.keys, self._client.mget, text, first):
+            if c.snapshot is not None:
+                node.state = CacheState.from_snapshot(c.snapshot)
+                return
 
     def holders(self, wire_hashes: Sequence[int], group_idx: int = 0) -> list[tuple[str, int]]:
         """Per node, the longest prefix of ``wire_hashes`` its CPU tier holds, longest first;

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from events.hashing import to_wire
+from events.logkeys import LogKeys
 from offloadd.client import BlockToStore, GroupQuery, OffloadClient, OffloadClientError
 from offloadd.client.fleet_fetch import fetch_prefix
 from offloadd.fleet.index import FleetIndex
@@ -118,3 +119,26 @@ def test_a_peer_that_is_gone_costs_an_error_not_a_block(nodes: tuple[DaemonProce
             arena.close()
         stats = local.stats()
         assert stats.num_blocks == 0 and all(s.num_reserved == 0 for s in stats.layouts)
+
+
+def test_index_of_a_trimmed_log_starts_from_its_checkpoint(tmp_path: Path, redis_url: str) -> None:
+    from tests.offloadd.test_checkpoint import CKPT_ARGS, first_offset
+
+    a = DaemonProcess(tmp_path / "a", redis_url, "node-t", capacity_bytes=512 * SLOT, extra_args=CKPT_ARGS)
+    a.start()
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        storer = SyntheticStorer(a.target, "t-store", chain_len=4, max_chains=80).start()
+        deadline = time.monotonic() + 60
+        while (storer.stats.stores < 80 or first_offset(admin, LogKeys("node-t")) <= 2) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        storer.stop()
+        assert first_offset(admin, LogKeys("node-t")) > 2  # the first chain's record is trimmed
+        index = FleetIndex(admin, {"t": "node-t"})
+        index.refresh()
+        first_chain = [to_wire(digest("t-store", i)) for i in range(4)]
+        assert index.holders(first_chain) == [("t", 4)]
+    finally:
+        a.kill()
+        admin.close()
