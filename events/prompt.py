@@ -1,15 +1,11 @@
-"""Prompts as an engine sees them: chat messages rendered to text, text encoded to token ids.
+"""Prompts as an engine sees them: chat messages rendered to text.
 
 A router hashes the same token ids the engine will (events.hashing), so both sides must render
-and encode alike. Both read them from the model directory:
+alike (and encode alike: events.tokenizer). The chat template is ``chat_template`` of the model
+directory's ``tokenizer_config.json`` (or ``chat_template.jinja``) rendered with Jinja2
+(sandboxed) as Hugging Face does, else the plain template :data:`PLAIN_CHAT_TEMPLATE` describes.
 
-- the tokenizer is ``tokenizer.json`` through the ``tokenizers`` library (no special tokens
-  added), else one id per UTF-8 byte, exactly as ``engine.model.tokenizer`` loads it;
-- the chat template is ``chat_template`` of ``tokenizer_config.json`` (or ``chat_template.jinja``)
-  rendered with Jinja2 (sandboxed) as Hugging Face does, else the plain template
-  :data:`PLAIN_CHAT_TEMPLATE` describes.
-
-``tokenizers`` and ``jinja2`` are imported only when the model directory needs them.
+``jinja2`` is imported only when the model directory needs it.
 """
 
 from __future__ import annotations
@@ -112,20 +108,3 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate:
         return ChatTemplate()
     return ChatTemplate(template, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
 
-
-class PromptTokenizer:
-    """Text -> token ids as the engine encodes a prompt."""
-
-    def __init__(self, model_dir: str | Path) -> None:
-        path = Path(model_dir) / "tokenizer.json"
-        self.kind = "bytes"
-        self._encode: Callable[[str], list[int]] = lambda text: list(text.encode("utf-8"))
-        if path.is_file():
-            from tokenizers import Tokenizer
-
-            tok = Tokenizer.from_file(str(path))
-            self.kind = "tokenizer.json"
-            self._encode = lambda text: list(tok.encode(text, add_special_tokens=False).ids)
-
-    def encode(self, text: str) -> list[int]:
-        return self._encode(text)

@@ -102,8 +102,8 @@ def serve(config: RouterConfig) -> int:
     follower = Follower(config.bridge_pub, config.bridge_replay, config.topic).start() if config.bridge_pub else None
     client = httpx2.AsyncClient(limits=httpx2.Limits(max_connections=1000, max_keepalive_connections=100),
                                 trust_env=False)
-    router = Router(config, client, follower)
     try:
+        router = Router(config, client, follower)
         server = uvicorn.Server(uvicorn.Config(create_app(router), host=config.host, port=config.port,
                                                log_level="warning", access_log=False, timeout_graceful_shutdown=5))
         print(f"kv-router: serving on port {config.port} ({len(config.engines)} engines, policy {config.policy})",

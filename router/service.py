@@ -21,10 +21,10 @@ from events.prompt import (
     ChatMessage,
     ChatTemplate,
     PromptError,
-    PromptTokenizer,
     load_chat_template,
 )
 from events.schema import BlockHash
+from events.tokenizer import Tokenizer, load_tokenizer
 from router.config import RouterConfig
 from router.fleet import EngineState, Fleet
 from router.follower import Follower
@@ -77,7 +77,7 @@ class Router:
         self.truth = Truth()
         self.timings = Timings()
         self.hasher = BlockHasher(config.hash_seed, config.block_size, config.hash_algo)
-        self.tokenizer = PromptTokenizer(config.model_dir) if config.model_dir else None
+        self.tokenizer: Tokenizer = load_tokenizer(config.model_dir)
         self.chat: ChatTemplate = load_chat_template(config.model_dir) if config.model_dir else ChatTemplate()
         self.retries = 0
         self._ids = itertools.count()
@@ -86,7 +86,7 @@ class Router:
     # -- prompt -> hashes --------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text) if self.tokenizer else list(text.encode("utf-8"))
+        return self.tokenizer.encode(text)
 
     def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
         if isinstance(req, ChatCompletionRequest):
