@@ -25,8 +25,9 @@ from torch import Tensor
 
 from engine.kv_cache import KVCacheGroup
 from engine.model.llama import LlamaForCausalLM
-from engine.runner import GroupStep, PagedAttention, write_rows
+from engine.runner import GroupStep, PagedAttention
 from engine.step_graphs import record, warm_up
+from engine.step_inputs import write_rows
 
 
 def bucket(n: int, min_tokens: int) -> int:

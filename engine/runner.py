@@ -39,6 +39,7 @@ from engine.kv_manager import KVCacheManager
 from engine.model.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_graphs import GridRow, StepGraphs
+from engine.step_inputs import StepUpload, token_positions, write_rows
 
 if TYPE_CHECKING:
     from engine.prefill_graphs import PrefillGraphs
@@ -143,66 +144,6 @@ def _paged(cache: Tensor, li: int, q: Tensor, p: PagedInputs) -> Tensor:
     return out.transpose(1, 2).reshape(p.batch * p.max_q, *q.shape[1:])[p.q_index]
 
 
-class _Upload:
-    """Collects a step's host index tensors and moves them to the device in one copy, through
-    a pinned staging buffer the runner keeps (pinning a fresh tensor each step cost ~1-6 ms)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.parts: list[Tensor] = []
-        self._staging: Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
-
-    def begin(self) -> None:
-        self.parts = []
-
-    def add(self, x: Tensor) -> int:
-        self.parts.append(x)
-        return len(self.parts) - 1
-
-    def send(self) -> list[Tensor]:
-        if self.device.type != "cuda":
-            return self.parts
-        n = sum(x.numel() for x in self.parts)
-        if self._copied is not None:
-            self._copied.synchronize()  # the last step's copy has read the staging buffer
-        if self._staging is None or self._staging.numel() < n:
-            self._staging = torch.empty(max(n, 2 * self._staging.numel() if self._staging is not None else 4096),
-                                        dtype=torch.long, pin_memory=True)
-        staged = self._staging[:n]
-        torch.cat([x.reshape(-1).to(torch.long) for x in self.parts], out=staged)
-        dev = staged.to(self.device, non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-        out, off = [], 0
-        for x in self.parts:
-            part = dev[off : off + x.numel()].view(x.shape)
-            out.append(part if x.dtype == torch.long else part.to(x.dtype))
-            off += x.numel()
-        return out
-
-
-def _positions(meta: Tensor, batch: int, total: int) -> tuple[Tensor, Tensor]:
-    """Each token's position and request row, ``[T]`` each, from ``meta`` = starts then
-    lengths of the step's requests (on the device: no host work per token)."""
-    dev = meta.device
-    starts, lens = meta[:batch], meta[batch:]
-    if batch == 1:
-        return starts + torch.arange(total, device=dev), torch.zeros(total, dtype=torch.long, device=dev)
-    row = torch.repeat_interleave(torch.arange(batch, device=dev), lens, output_size=total)
-    first = torch.cumsum(lens, 0) - lens  # each request's first token in the flat batch
-    return torch.arange(total, device=dev) - first[row] + starts[row], row
-
-
-def write_rows(block: Tensor, positions: Tensor, layers: int, bs: int) -> Tensor:
-    """``[L, 2, T]``: the flat cache row of each token's K (0) and V (1) in each of the group's
-    layers, ``((block * L + l) * 2 + kv) * bs + offset``, from each token's block and position."""
-    dev = block.device
-    base = block * (layers * 2 * bs) + positions % bs
-    per_layer = (torch.arange(layers, device=dev) * (2 * bs)).view(-1, 1, 1)
-    return base.view(1, 1, -1) + per_layer + (torch.arange(2, device=dev) * bs).view(1, 2, 1)
-
-
 def _new_token_ids(s: ScheduledRequest) -> list[int]:
     return s.request.token_ids(s.start, s.start + s.num_new_tokens)
 
@@ -220,7 +161,7 @@ class ModelRunner:
         self.model, self.groups, self.layer_slots, self.kv, self.device = model, groups, layer_slots, kv, device
         self.graphs = graphs
         self.block_size = kv.block_size
-        self._upload = _Upload(device)
+        self._upload = StepUpload(device)
         self.prefill: PrefillGraphs | None = None
         """CUDA graphs for cold prefills, beside the step graphs (too large a step for those)."""
         if graphs is not None:
@@ -296,7 +237,7 @@ class ModelRunner:
                                        [offsets[i] for i in rest], window, all_paged=len(rest) == batch) if rest else None
             plans.append((i_bt, spans, paged))
         dev = up.send()
-        positions, row = _positions(dev[i_meta], batch, total)
+        positions, row = token_positions(dev[i_meta], batch, total)
         steps = [GroupStep(write_rows(dev[i_bt][row, positions // bs], positions, int(g.tensor.shape[1]), bs), spans,
                            self._finish_paged(dev, paged))
                  for g, (i_bt, spans, paged) in zip(self.groups, plans, strict=True)]
@@ -305,7 +246,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[dev[i_ends]]).float()
 
     def _paged_inputs(
-        self, up: _Upload, bt: Tensor, starts: list[int], lens: list[int], token_offsets: list[int],
+        self, up: StepUpload, bt: Tensor, starts: list[int], lens: list[int], token_offsets: list[int],
         window: int | None, all_paged: bool,
     ) -> dict[str, int]:
         """Host-side paged inputs, queued on ``up``; returns their indices and sizes."""
