@@ -49,10 +49,11 @@ from bridge.metrics import BridgeMetrics, Health
 from bridge.position import PositionStore, SavedPosition
 from bridge.replay_server import ReplayPlan, ReplayServer, SnapshotPlan
 from bridge.seqindex import SeqIndex
-from bridge.state import GcPolicy, LazyState
+from bridge.state import LazyState
 from bridge.transcode import Transcoded, batch_for, is_foreign, takes_seq
 from events.logreader import LogReader, LogUnavailable, RawEntry
 from events.schema import SchemaError
+from events.state_gc import GcPolicy
 
 log = logging.getLogger("kvbridge")
 

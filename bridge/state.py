@@ -15,9 +15,7 @@ checkpoint's state is taken); until then the state is not ready (:attr:`is_ready
 
 from __future__ import annotations
 
-import gc
 import logging
-import time
 from collections import deque
 
 from bridge.metrics import BridgeMetrics
@@ -114,28 +112,3 @@ class LazyState:
         self.catch_up()
         return self._state.export()
 
-
-class GcPolicy:
-    """Keeps CPython's collector off the publish path.
-
-    The state holds millions of small objects; full collections walk all of them (100+ ms
-    pauses at a few 100k blocks, and twice the CPU per record). Whatever is alive after a
-    chunk is long-lived state, so it is moved out of the collector's view (``gc.freeze``,
-    O(1)); what dies later is freed by reference counting. Cyclic garbage, which only the
-    collector frees, is rare here; a full collection reclaims it every ``full_interval_s``.
-    """
-
-    def __init__(self, full_interval_s: float) -> None:
-        self._full_interval_s = full_interval_s
-        self._last_full = time.monotonic()
-
-    def after_chunk(self) -> None:
-        gc.freeze()
-        now = time.monotonic()
-        if now - self._last_full >= self._full_interval_s:
-            started = time.perf_counter()
-            gc.unfreeze()
-            gc.collect()
-            gc.freeze()
-            self._last_full = now
-            log.info("full garbage collection took %.1f ms", (time.perf_counter() - started) * 1e3)

@@ -5,16 +5,14 @@ Readers take :meth:`reading` (the subscriber's lock) around any use of the state
 follower thread replaces on a (re-)bootstrap.
 
 The state is hundreds of thousands of long-lived objects: after each bootstrap and each poll
-that applied batches they are moved out of the cyclic collector's view (``gc.freeze``, O(1)),
-as kv-bridge does (bridge.state.GcPolicy), so no full collection walks them on a request's
-path; what dies later is freed by reference counting.
+that applied batches the follower calls events.state_gc.GcPolicy, as kv-bridge does, so no full
+collection walks them on a request's path.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import gc
 import logging
 import threading
 import time
@@ -22,16 +20,20 @@ from collections.abc import Iterator
 
 from events.codec_vllm import WireBatch
 from events.state import CacheState
+from events.state_gc import GcPolicy
 from events.subscriber import KvEventSubscriber, SubscriberError
 
 log = logging.getLogger("kv-router")
 
 RATE_WINDOW_S = 5.0
+FULL_GC_INTERVAL_S = 600.0  # as kv-bridge's default
 
 
 class Follower:
-    def __init__(self, pub: str, replay: str, topic: str, *, retry_s: float = 1.0) -> None:
+    def __init__(self, pub: str, replay: str, topic: str, *, retry_s: float = 1.0,
+                 full_gc_interval_s: float = FULL_GC_INTERVAL_S) -> None:
         self.sub = KvEventSubscriber(pub, replay, topic)
+        self.gc = GcPolicy(full_gc_interval_s)
         self.sub.on_batch(self._count)
         self._retry_s = retry_s
         self._stop = threading.Event()
@@ -84,12 +86,12 @@ class Follower:
         else:
             return
         log.info("following the bridge from seq %s", self.sub.next_seq)
-        gc.freeze()
+        self.gc.after_chunk()
         self._ready.set()
         while not self._stop.is_set():
             try:
                 if self.sub.poll(100):
-                    gc.freeze()
+                    self.gc.after_chunk()
             except Exception:  # a bug in decoding must not end the router's view silently
                 log.exception("following the bridge failed; re-bootstrapping")
                 self._stop.wait(self._retry_s)
