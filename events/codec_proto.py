@@ -91,6 +91,8 @@ def _fill(msg: events_pb2.KvEvent, event: Event) -> None:
             stored.lora_name = event.lora_name
         if event.extra_keys is not None:
             stored.extra_keys.extend(cbor2.dumps(k, canonical=True) for k in event.extra_keys)
+        if event.provenance is not None:
+            stored.provenance = event.provenance
     elif isinstance(event, BlockRemoved):
         removed = msg.block_removed
         removed.block_hashes.extend(event.block_hashes)
@@ -157,6 +159,7 @@ def _stored_from_proto(m: events_pb2.BlockStored) -> BlockStored:
         m.sliding_window if m.HasField("sliding_window") else None,
         m.lora_name if m.HasField("lora_name") else None,
         extra,
+        m.provenance if m.HasField("provenance") else None,
     )
 
 

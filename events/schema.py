@@ -42,6 +42,9 @@ class BlockStored(msgspec.Struct, frozen=True, tag=True):
     sliding_window: int | None = None
     lora_name: str | None = None
     extra_keys: tuple[Any, ...] | None = None  # one entry per block (None or a tuple)
+    # Where CPU-tier blocks came from when not computed on this node ("fleet:<peer node>" for
+    # a cross-node fetch); None: stored here. Ours only: the vLLM wire leaves it out.
+    provenance: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, tag=True):

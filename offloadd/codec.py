@@ -277,8 +277,12 @@ def read_blocks_request(
 
 
 def block_data_to_proto(b: BlockData) -> pb.BlockData:
-    return pb.BlockData(block_hash=b.block_hash, data=b.data, checksum=b.checksum)
+    return pb.BlockData(block_hash=b.block_hash, data=b.data, checksum=b.checksum,
+                        parent_block_hash=b.parent_block_hash or b"", token_ids=b.token_ids,
+                        extra_keys=b.extra_keys, lora_name=b.lora_name)
 
 
 def block_data_from_proto(b: pb.BlockData) -> BlockData:
-    return BlockData(b.block_hash, b.data, b.checksum)
+    return BlockData(b.block_hash, b.data, b.checksum, b.parent_block_hash or None,
+                     tuple(b.token_ids), b.extra_keys,
+                     b.lora_name if b.HasField("lora_name") else None)

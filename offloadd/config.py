@@ -24,6 +24,7 @@ from typing import Final, Literal
 from events.hashing import DIGEST_BYTES, HASH_ALGOS, HashAlgo
 from events.logkeys import LogKeys
 from offloadd.errors import OffloaddError
+from offloadd.fleet.peers import parse_peers
 from rpc import redis_connect
 from rpc.tls import SecurityConfigError, check_server_tls
 
@@ -123,6 +124,19 @@ class OffloaddConfig:
     retention_bytes: int = 0
     """Keep at least about this many bytes of the newest records (0 = no floor by size). The
     log is trimmed to the oldest of the three floors, never past the oldest kept checkpoint."""
+    fleet_peers: str = ""
+    """Other nodes whose CPU tier fills this one's on an engine's Lookup miss:
+    name=host:port/namespace[,...] (a peer daemon's gRPC address and its log's namespace on
+    this Redis deployment); empty = none."""
+    fleet_node: str = ""
+    """This node's name in its reads from peers; empty = the namespace."""
+    fleet_ca_file: str = ""
+    """PEM CA of the peers' TLS certificates; empty = plaintext. With it, tls_cert_file and
+    tls_key_file are presented as the client certificate; auth_token_file's token is sent."""
+    fleet_timeout_s: float = 2.0
+    """Longest wait for one peer call; past it the Lookup answers without the peer's blocks."""
+    fleet_refresh_ms: int = 100
+    """How often the fleet index catches up with the peers' logs."""
 
     def __post_init__(self) -> None:
         try:
@@ -162,6 +176,12 @@ class OffloaddConfig:
         for name in ("retention_records", "retention_s", "retention_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        try:
+            parse_peers(self.fleet_peers)
+        except ValueError as exc:
+            raise ConfigError(f"fleet_peers: {exc}") from exc
+        if self.fleet_timeout_s <= 0 or self.fleet_refresh_ms <= 0:
+            raise ConfigError("fleet_timeout_s and fleet_refresh_ms: must be > 0")
         if not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"grpc_port: out of range: {self.grpc_port}")
         if not -1 <= self.metrics_port <= 65535:

@@ -112,6 +112,11 @@ class BlockData:
     block_hash: bytes
     data: bytes
     checksum: int
+    # Its identity as stored (for a peer storing it in turn; empty where not sent):
+    parent_block_hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()
+    extra_keys: bytes = b""
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)

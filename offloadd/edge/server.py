@@ -26,6 +26,7 @@ from redis.retry import Retry
 from events.state import CacheState
 from offloadd.config import OffloaddConfig
 from offloadd.edge.service import Servicers
+from offloadd.fleet.links import connect_fleet
 from offloadd.log.checkpoint import Checkpointer
 from offloadd.log.ingest import Ingest
 from offloadd.log.legacy_keys import migrate_legacy_keys
@@ -78,6 +79,7 @@ class Daemon:
         self.owner = OwnerLease(self.redis, config.keys, config.owner_lease_s)
         self.store = HostStore(config, self.metadata, self.state)
         self.writer = StoreWriter(self.store)
+        self.fleet = connect_fleet(config, self.store, self.writer)  # None without peers
         self.ingest = Ingest(self.metadata, self.state, config.max_batch_events, config.max_id_bytes)
         self.liveness = Liveness(self.ingest, config.engine_lease_s)
         self.servicers: Servicers | None = None
@@ -95,6 +97,7 @@ class Daemon:
         self._audit: asyncio.Task[None] | None = None
         self._owner_keeper: asyncio.Task[None] | None = None
         self._checkpoints: asyncio.Task[None] | None = None
+        self._fleet_refresh: asyncio.Task[None] | None = None
         self.checkpointer: Checkpointer | None = None
         self.recovery: RecoveryReport | None = None
 
@@ -124,7 +127,7 @@ class Daemon:
         self.ingest.expect_resync(set(self.state.sources()) - {DAEMON_SOURCE} - holding)
         servicers = self.servicers = Servicers(
             self.store, self.writer, self.ingest, self.metadata, self.metrics, self.on_fatal,
-            self.liveness,
+            self.liveness, self.fleet,
         )
         for name, methods in servicers.handlers().items():
             self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, methods),))
@@ -150,6 +153,9 @@ class Daemon:
         self._sweeper = asyncio.create_task(self._sweep_forever())
         self._audit = asyncio.create_task(self._audit_projection())
         self._checkpoints = asyncio.create_task(self.checkpointer.run())
+        if self.fleet is not None:
+            self._fleet_refresh = asyncio.create_task(
+                self.fleet.refresh_forever(cfg.fleet_refresh_ms / 1000))
         return Ports(grpc_port, metrics_port, cfg.unix_socket)
 
     def _bind_unix_socket(self) -> None:
@@ -224,10 +230,13 @@ class Daemon:
         await self.owner.release()
         self.metrics.close()
         await self.redis.aclose()
+        if self.fleet is not None:
+            self.fleet.close()
         self.store.close()
 
     async def _cancel_tasks(self) -> None:
-        for task in (self._sweeper, self._audit, self._checkpoints, self._owner_keeper):
+        for task in (self._sweeper, self._audit, self._checkpoints, self._owner_keeper,
+                     self._fleet_refresh):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

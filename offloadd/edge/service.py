@@ -29,6 +29,7 @@ from offloadd.errors import (
     RequestError,
     ResourceExhausted,
 )
+from offloadd.fleet.fill import FleetFill
 from offloadd.log.ingest import Ack, Ingest
 from offloadd.log.liveness import Liveness
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
@@ -74,6 +75,7 @@ class Servicers:
     def __init__(
         self, store: HostStore, writer: StoreWriter, ingest: Ingest, metadata: MetadataStore,
         metrics: DaemonMetrics, on_fatal: Callable[[str], None], liveness: Liveness,
+        fleet: FleetFill | None = None,
     ) -> None:
         self.store = store
         self.registrar = Registrar(store)
@@ -83,6 +85,7 @@ class Servicers:
         self.metrics = metrics
         self.on_fatal = on_fatal
         self.liveness = liveness
+        self.fleet = fleet  # fills local misses from peers' tiers before Lookup answers
         self.stopping = asyncio.Event()  # set by stop(): long-lived streams answer and return
         self._reading: set[asyncio.Task[Any]] = set()  # Publish streams waiting for a batch
 
@@ -154,6 +157,8 @@ class Servicers:
 
     async def lookup(self, req: offload_pb2.LookupRequest) -> Message:
         queries = codec.queries_from_proto(req)
+        if self.fleet is not None:
+            await self.fleet.fill(req.engine_id, queries)
         return codec.lookup_to_proto(self.store.lookup(req.engine_id, queries, req.pin, req.lease_ms))
 
     async def reserve(self, req: offload_pb2.ReserveRequest) -> Message:

@@ -43,6 +43,17 @@ class ArenaFiles:
             return None
         return self._buf
 
+    def write(self, slot: int, data: bytes) -> bool:
+        """Write a whole slot (the daemon storing a block fetched from a peer, issue 21);
+        False if the file is too short to hold it."""
+        g = self.geometry
+        if len(data) != g.slot_bytes or not 0 <= slot < len(self._fds) * g.slots_per_chunk:
+            raise ValueError(f"slot {slot}: {len(data)} bytes for a {g.slot_bytes}-byte slot")
+        fd = self._fds[g.chunk_of(slot)]
+        if os.fstat(fd).st_size < g.offset_of(slot) + g.slot_bytes:
+            return False  # writing would grow a file an engine truncated
+        return os.pwrite(fd, data, g.offset_of(slot)) == g.slot_bytes
+
     def read(self, slot: int) -> bytes | None:
         view = self.read_view(slot)
         return None if view is None else view.tobytes()

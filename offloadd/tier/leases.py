@@ -38,6 +38,7 @@ class Reservation:
     expires_ms: int
     digests: list[bytes] = field(default_factory=list)  # in request order
     committing: bool = False  # a Commit is being logged: neither expiry nor Abort may free it
+    provenance: str | None = None  # BlockStored.provenance of its commit (a peer's blocks)
 
 
 class LeaseTable:

@@ -326,7 +326,8 @@ class HostStore:
                 if entry is not None:
                     self.integrity.check_files(layout)  # its file shrank since it was checked
                 raise NotFound(f"block_hashes[{i}] is not resident in group {group_idx}")
-            out.append(BlockData(d, data, entry.checksum))
+            out.append(BlockData(d, data, entry.checksum, entry.parent, entry.token_ids,
+                                 entry.extra_keys, entry.lora_name))
         return out
 
     def stats(self) -> StoreStats:

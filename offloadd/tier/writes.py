@@ -159,7 +159,7 @@ class StoreWriter:
         layout = store.layout(res.layout_id)
         entries = {d: layout.index.entry(d) for d in chosen}
         sums = {d: layout.checksum(e.slot) for d, e in entries.items()}
-        events = stored_events(layout, res.lora_name, chosen, entries)
+        events = stored_events(layout, res.lora_name, chosen, entries, res.provenance)
         blocks_key = store.metadata.keys.blocks(layout.layout_id)
         layouts_key = store.metadata.keys.layouts
         group = layout.record.group_idx
@@ -200,7 +200,8 @@ class StoreWriter:
 
 
 def stored_events(
-    layout: Layout, lora_name: str | None, chosen: list[bytes], entries: dict[bytes, SlotEntry]
+    layout: Layout, lora_name: str | None, chosen: list[bytes], entries: dict[bytes, SlotEntry],
+    provenance: str | None = None,
 ) -> list[Event]:
     """BlockStored(CPU) events, one per run of consecutive blocks of one chain."""
     rec = layout.record
@@ -226,5 +227,6 @@ def stored_events(
             sliding_window=window,
             lora_name=lora_name,
             extra_keys=None if all(k is None for k in keys) else tuple(keys),
+            provenance=provenance,
         ))
     return events

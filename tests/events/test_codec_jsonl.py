@@ -32,7 +32,7 @@ def test_line_format_and_tuples() -> None:
         '{"type":"BlockStored","block_hashes":[18446744073709551615],"parent_block_hash":null,'
         '"token_ids":[1],"block_size":1,"medium":"CPU","group_idx":0,'
         '"kv_cache_spec_kind":"full_attention","sliding_window":null,"lora_name":null,'
-        '"extra_keys":[["ad",[1]]]},{"type":"AllBlocksCleared","medium":null}]}'
+        '"extra_keys":[["ad",[1]]],"provenance":null},{"type":"AllBlocksCleared","medium":null}]}'
     )
     back = decode_record(line)
     assert back.events[0] == BlockStored(

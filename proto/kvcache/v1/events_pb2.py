@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvcache/v1/events.proto\x12\nkvcache.v1\"\xda\x02\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x06H\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\"\n\x06medium\x18\x05 \x01(\x0e\x32\x12.kvcache.v1.Medium\x12\x11\n\tgroup_idx\x18\x06 \x01(\r\x12\x37\n\x12kv_cache_spec_kind\x18\x07 \x01(\x0e\x32\x1b.kvcache.v1.KvCacheSpecKind\x12\x1b\n\x0esliding_window\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x16\n\tlora_name\x18\t \x01(\tH\x02\x88\x01\x01\x12\x12\n\nextra_keys\x18\n \x03(\x0c\x42\x14\n\x12_parent_block_hashB\x11\n\x0f_sliding_windowB\x0c\n\n_lora_name\"[\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\"\n\x06medium\x18\x02 \x01(\x0e\x32\x12.kvcache.v1.Medium\x12\x11\n\tgroup_idx\x18\x03 \x01(\r\"6\n\x10\x41llBlocksCleared\x12\"\n\x06medium\x18\x01 \x01(\x0e\x32\x12.kvcache.v1.Medium\"\xb2\x01\n\x07KvEvent\x12/\n\x0c\x62lock_stored\x18\x01 \x01(\x0b\x32\x17.kvcache.v1.BlockStoredH\x00\x12\x31\n\rblock_removed\x18\x02 \x01(\x0b\x32\x18.kvcache.v1.BlockRemovedH\x00\x12:\n\x12\x61ll_blocks_cleared\x18\x03 \x01(\x0b\x32\x1c.kvcache.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\x85\x01\n\nEventBatch\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\n\n\x02ts\x18\x04 \x01(\x01\x12#\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x13.kvcache.v1.KvEvent\x12\x11\n\tdeparting\x18\x06 \x01(\x08\"\x85\x01\n\tLogRecord\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x12\n\nsource_seq\x18\x04 \x01(\x04\x12\n\n\x02ts\x18\x05 \x01(\x01\x12#\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x13.kvcache.v1.KvEvent*@\n\x06Medium\x12\x16\n\x12MEDIUM_UNSPECIFIED\x10\x00\x12\x0e\n\nMEDIUM_GPU\x10\x01\x12\x0e\n\nMEDIUM_CPU\x10\x02*\x83\x01\n\x0fKvCacheSpecKind\x12\"\n\x1eKV_CACHE_SPEC_KIND_UNSPECIFIED\x10\x00\x12%\n!KV_CACHE_SPEC_KIND_FULL_ATTENTION\x10\x01\x12%\n!KV_CACHE_SPEC_KIND_SLIDING_WINDOW\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvcache/v1/events.proto\x12\nkvcache.v1\"\x82\x03\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x06H\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\"\n\x06medium\x18\x05 \x01(\x0e\x32\x12.kvcache.v1.Medium\x12\x11\n\tgroup_idx\x18\x06 \x01(\r\x12\x37\n\x12kv_cache_spec_kind\x18\x07 \x01(\x0e\x32\x1b.kvcache.v1.KvCacheSpecKind\x12\x1b\n\x0esliding_window\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x16\n\tlora_name\x18\t \x01(\tH\x02\x88\x01\x01\x12\x12\n\nextra_keys\x18\n \x03(\x0c\x12\x17\n\nprovenance\x18\x0b \x01(\tH\x03\x88\x01\x01\x42\x14\n\x12_parent_block_hashB\x11\n\x0f_sliding_windowB\x0c\n\n_lora_nameB\r\n\x0b_provenance\"[\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\"\n\x06medium\x18\x02 \x01(\x0e\x32\x12.kvcache.v1.Medium\x12\x11\n\tgroup_idx\x18\x03 \x01(\r\"6\n\x10\x41llBlocksCleared\x12\"\n\x06medium\x18\x01 \x01(\x0e\x32\x12.kvcache.v1.Medium\"\xb2\x01\n\x07KvEvent\x12/\n\x0c\x62lock_stored\x18\x01 \x01(\x0b\x32\x17.kvcache.v1.BlockStoredH\x00\x12\x31\n\rblock_removed\x18\x02 \x01(\x0b\x32\x18.kvcache.v1.BlockRemovedH\x00\x12:\n\x12\x61ll_blocks_cleared\x18\x03 \x01(\x0b\x32\x1c.kvcache.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\x85\x01\n\nEventBatch\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\n\n\x02ts\x18\x04 \x01(\x01\x12#\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x13.kvcache.v1.KvEvent\x12\x11\n\tdeparting\x18\x06 \x01(\x08\"\x85\x01\n\tLogRecord\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x12\n\nsource_seq\x18\x04 \x01(\x04\x12\n\n\x02ts\x18\x05 \x01(\x01\x12#\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x13.kvcache.v1.KvEvent*@\n\x06Medium\x12\x16\n\x12MEDIUM_UNSPECIFIED\x10\x00\x12\x0e\n\nMEDIUM_GPU\x10\x01\x12\x0e\n\nMEDIUM_CPU\x10\x02*\x83\x01\n\x0fKvCacheSpecKind\x12\"\n\x1eKV_CACHE_SPEC_KIND_UNSPECIFIED\x10\x00\x12%\n!KV_CACHE_SPEC_KIND_FULL_ATTENTION\x10\x01\x12%\n!KV_CACHE_SPEC_KIND_SLIDING_WINDOW\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvcache.v1.events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEDIUM']._serialized_start=990
-  _globals['_MEDIUM']._serialized_end=1054
-  _globals['_KVCACHESPECKIND']._serialized_start=1057
-  _globals['_KVCACHESPECKIND']._serialized_end=1188
+  _globals['_MEDIUM']._serialized_start=1030
+  _globals['_MEDIUM']._serialized_end=1094
+  _globals['_KVCACHESPECKIND']._serialized_start=1097
+  _globals['_KVCACHESPECKIND']._serialized_end=1228
   _globals['_BLOCKSTORED']._serialized_start=40
-  _globals['_BLOCKSTORED']._serialized_end=386
-  _globals['_BLOCKREMOVED']._serialized_start=388
-  _globals['_BLOCKREMOVED']._serialized_end=479
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=481
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=535
-  _globals['_KVEVENT']._serialized_start=538
-  _globals['_KVEVENT']._serialized_end=716
-  _globals['_EVENTBATCH']._serialized_start=719
-  _globals['_EVENTBATCH']._serialized_end=852
-  _globals['_LOGRECORD']._serialized_start=855
-  _globals['_LOGRECORD']._serialized_end=988
+  _globals['_BLOCKSTORED']._serialized_end=426
+  _globals['_BLOCKREMOVED']._serialized_start=428
+  _globals['_BLOCKREMOVED']._serialized_end=519
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=521
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=575
+  _globals['_KVEVENT']._serialized_start=578
+  _globals['_KVEVENT']._serialized_end=756
+  _globals['_EVENTBATCH']._serialized_start=759
+  _globals['_EVENTBATCH']._serialized_end=892
+  _globals['_LOGRECORD']._serialized_start=895
+  _globals['_LOGRECORD']._serialized_end=1028
 # @@protoc_insertion_point(module_scope)

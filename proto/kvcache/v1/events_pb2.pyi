@@ -26,7 +26,7 @@ KV_CACHE_SPEC_KIND_FULL_ATTENTION: KvCacheSpecKind
 KV_CACHE_SPEC_KIND_SLIDING_WINDOW: KvCacheSpecKind
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "group_idx", "kv_cache_spec_kind", "sliding_window", "lora_name", "extra_keys")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "group_idx", "kv_cache_spec_kind", "sliding_window", "lora_name", "extra_keys", "provenance")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class BlockStored(_message.Message):
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PROVENANCE_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     parent_block_hash: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -47,7 +48,8 @@ class BlockStored(_message.Message):
     sliding_window: int
     lora_name: str
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[_Union[Medium, str]] = ..., group_idx: _Optional[int] = ..., kv_cache_spec_kind: _Optional[_Union[KvCacheSpecKind, str]] = ..., sliding_window: _Optional[int] = ..., lora_name: _Optional[str] = ..., extra_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    provenance: str
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[_Union[Medium, str]] = ..., group_idx: _Optional[int] = ..., kv_cache_spec_kind: _Optional[_Union[KvCacheSpecKind, str]] = ..., sliding_window: _Optional[int] = ..., lora_name: _Optional[str] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., provenance: _Optional[str] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
     __slots__ = ("block_hashes", "medium", "group_idx")

@@ -263,11 +263,19 @@ class ReadBlocksRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., group_idx: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class BlockData(_message.Message):
-    __slots__ = ("block_hash", "data", "checksum")
+    __slots__ = ("block_hash", "data", "checksum", "parent_block_hash", "token_ids", "extra_keys", "lora_name")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     block_hash: bytes
     data: bytes
     checksum: int
-    def __init__(self, block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
+    parent_block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    extra_keys: bytes
+    lora_name: str
+    def __init__(self, block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[bytes] = ..., lora_name: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,37 @@
+"""The peers a daemon fetches from: ``name=host:port/namespace[,...]`` (its ``--fleet-peers``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from events.logkeys import LogKeys
+
+_PEER = re.compile(r"^(?P<name>[A-Za-z0-9_.-]+)=(?P<target>[^/=,\s]+:\d{1,5})/(?P<ns>[^/=,\s]+)$")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another node: its name (the provenance of blocks fetched from it), its daemon's gRPC
+    address and the namespace of its log on the shared Redis deployment."""
+
+    name: str
+    target: str
+    namespace: str
+
+
+def parse_peers(text: str) -> tuple[Peer, ...]:
+    """Parse ``name=host:port/namespace`` entries separated by commas; ValueError naming the
+    entry that is wrong."""
+    peers: list[Peer] = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        m = _PEER.match(entry)
+        if m is None:
+            raise ValueError(f"{entry!r}: expected name=host:port/namespace")
+        LogKeys(m["ns"])  # raises ValueError for a namespace the daemon would refuse
+        if any(p.name == m["name"] for p in peers):
+            raise ValueError(f"{entry!r}: peer {m['name']!r} named twice")
+        peers.append(Peer(m["name"], m["target"], m["ns"]))
+    return tuple(peers)
