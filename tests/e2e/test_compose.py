@@ -1,4 +1,5 @@
-"""compose.yaml checked statically (no Docker engine here): against the Compose specification's
+"""compose.yaml checked statically (in the default suite, with no Docker daemon; tests/compose
+builds the images and runs it for real): against the Compose specification's
 JSON schema (compose_spec/, vendored with its licence), every reference between services, every
 command and environment variable parsed by the real parsers of our processes, ports consistent
 with their defaults, and model-init's script run for real. What the image installs is checked by
