@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any
 
-from tests.support.offloadd_proc import stop_process
+from tests.support.child_process import get_json, log_tail, spawn, stop_process, wait_ready
 from tests.support.redis_proc import free_port
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def get_json(url: str, timeout_s: float = 2.0) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
+__all__ = ["Proc", "engine", "get_json", "router"]
 
 
 class Proc:
@@ -42,27 +28,13 @@ class Proc:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> Proc:
-        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
-        self.proc = subprocess.Popen([sys.executable, "-m", *self.args], stdout=log, stderr=subprocess.STDOUT,
-                                     env=env, cwd=REPO)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if get_json(f"{self.url}/health", 0.5)[0] == 200:
-                    return self
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.name} not healthy within {timeout_s}s:\n{self.log_tail()}")
+        self.proc = spawn([sys.executable, "-m", *self.args], self.log_path)
+        wait_ready(self.proc, lambda: get_json(f"{self.url}/health", 0.5)[0] == 200, name=self.name,
+                   timeout_s=timeout_s, output=self.log_tail, poll_s=0.1)
+        return self
 
     def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return log_tail(self.log_path, n)
 
     def stop(self, kill: bool = False) -> int:
         code = stop_process(self.proc, signal.SIGKILL if kill else signal.SIGTERM, 15.0)

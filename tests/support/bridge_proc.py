@@ -5,14 +5,11 @@ tested before and without the daemon.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,10 +18,10 @@ from typing import Any
 from events.logkeys import LogKeys
 from events.records import RECORD_FIELD, encode_record, entry_id
 from events.schema import BlockRemoved, BlockStored, Event, LogRecord
-from tests.support.offloadd_proc import stop_process
+from tests.support.child_process import REPO, get_json, spawn, stop_process, wait_ready
 from tests.support.redis_proc import free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = REPO
 
 
 class BridgeProcess:
@@ -68,19 +65,13 @@ class BridgeProcess:
 
     def start(self, timeout_s: float = 15.0, wait_healthy: bool = True) -> None:
         self.runs += 1
-        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the process
-        env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.proc = spawn(self.command(), self.log_path, append=False)
         if wait_healthy:
             self.wait_healthy(timeout_s)
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        url = f"http://127.0.0.1:{self.metrics_port}/healthz"
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"{}")
+        status, body = get_json(f"http://127.0.0.1:{self.metrics_port}/healthz", 1.0)
+        return status, body
 
     def metrics(self) -> str:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
@@ -88,17 +79,9 @@ class BridgeProcess:
             return resp.read().decode()
 
     def wait_healthy(self, timeout_s: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"kv-bridge exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if self.health()[0] == 200:
-                    return
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"kv-bridge not healthy within {timeout_s}s:\n{self.output()}")
+        assert self.proc is not None, "start() first"
+        wait_ready(self.proc, lambda: self.health()[0] == 200, name="kv-bridge", timeout_s=timeout_s,
+                   output=self.output)
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

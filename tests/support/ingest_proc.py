@@ -3,22 +3,16 @@ read ``/metrics``, stop with SIGTERM or kill -9."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import signal
 import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.support.offloadd_proc import stop_process
+from tests.support.child_process import get_json, spawn, stop_process, wait_ready
 from tests.support.redis_proc import free_port
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def vllm_endpoints() -> tuple[str, str]:
@@ -48,29 +42,13 @@ class IngestProcess:
     def start(self, timeout_s: float = 15.0, wait_healthy: bool = False) -> None:
         """Start; by default wait only until ``/healthz`` answers (healthy needs a publisher)."""
         self.runs += 1
-        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the process
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kv-ingest exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                code, _ = self.health()
-                if code == 200 or not wait_healthy:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"kv-ingest not answering within {timeout_s}s:\n{self.output()}")
+        self.proc = spawn(self.args, self.log_path, append=False)
+        wait_ready(self.proc, lambda: self.health()[0] == 200 or not wait_healthy, name="kv-ingest",
+                   timeout_s=timeout_s, output=self.output)
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        url = f"http://127.0.0.1:{self.metrics_port}/healthz"
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"{}")
+        status, body = get_json(f"http://127.0.0.1:{self.metrics_port}/healthz", 1.0)
+        return status, body
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of ``name`` (a counter's ``_total``) whose labels include ``labels``."""

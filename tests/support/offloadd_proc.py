@@ -3,31 +3,18 @@ gracefully (SIGTERM) or kill -9, restart with the same flags (a warm restart).""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.support.child_process import REPO, log_tail, spawn, stop_process, wait_ready
 from tests.support.redis_proc import free_port
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def stop_process(proc: subprocess.Popen[bytes] | None, sig: int, timeout_s: float) -> int:
-    """Send ``sig``, wait up to ``timeout_s``, then kill -9; the exit code (0 if not running)."""
-    if proc is None:
-        return 0
-    proc.send_signal(sig)
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
+__all__ = ["REPO", "DaemonProcess", "stop_process"]
 
 
 class DaemonProcess:
@@ -70,35 +57,25 @@ class DaemonProcess:
         return self.target
 
     def start(self, timeout_s: float = 20.0) -> None:
-        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        self.proc = spawn(self.args, self.log_path)
         self.wait_serving(timeout_s)
 
     def wait_serving(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+        assert self.proc is not None, "start() first"
         with grpc.insecure_channel(self.health_target) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                assert self.proc is not None
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"offloadd exited with {self.proc.returncode}:\n{self.log_tail()}"
-                    )
+
+            def is_serving() -> bool:
                 try:
                     resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
                 except grpc.RpcError:
-                    pass
-                time.sleep(0.05)
-        raise RuntimeError(f"offloadd not serving within {timeout_s}s:\n{self.log_tail()}")
+                    return False
+                return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+            wait_ready(self.proc, is_serving, name="offloadd", timeout_s=timeout_s, output=self.log_tail)
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return log_tail(self.log_path, n)
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """SIGTERM and wait; returns the exit code."""
