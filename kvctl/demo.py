@@ -18,12 +18,16 @@ from kvctl.errors import KvctlError
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "demo",
-        help="start a local stack, run the demo workload, print hits/misses with TTFT, stop",
-        description="Start redis (unless --redis-url/REDIS_URL), offloadd, kv-bridge and an engine "
-        "as local processes, run chats and documents that share prefixes through them (a second "
-        "engine joins halfway), print GPU hits, CPU-tier hits and misses with time to first token, "
-        "write a PNG timeline, then stop everything. Options are kv-stack's (e.g. --short, "
-        "--run-dir DIR, --hybrid, --gpu-blocks N).",
+        help="start a local stack (two engines behind kv-router), run the demo workload through "
+        "the router, print hits/misses with TTFT, stop",
+        description="Start redis (unless --redis-url/REDIS_URL), offloadd, kv-bridge, two engines "
+        "(--engines N) and kv-router in front of them as local processes; send documents and chats "
+        "that share prefixes through the router (each request to the engine it chooses, printed "
+        "with the reason); print GPU hits, CPU-tier hits and misses with time to first token and "
+        "how often the router predicted the cached prefix; write a PNG timeline; then stop "
+        "everything. Options are kv-stack's (e.g. --short, --run-dir DIR, --engines N, --policy "
+        "kv|round-robin|least-loaded|random, --hybrid, --gpu-blocks N); `kv-stack --help` lists "
+        "them all.",
     )
     p.set_defaults(handler=run, passthrough=True)
 
