@@ -263,6 +263,7 @@ class Servicers:
         except Exception as exc:
             failed: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
             failed.set_exception(exc)
+            failed.add_done_callback(_retrieved)
             await answers.put((events_pb2.EventBatch(), failed))
         await answers.put(None)
 
@@ -279,7 +280,9 @@ class Servicers:
             return log_pb2.PublishAck(engine_id=msg.engine_id, incarnation=msg.incarnation,
                                       seq=msg.seq, status=log_pb2.PublishAck.STATUS_REJECTED,
                                       message=f"malformed batch: {exc}")
-        return msg, await self.ingest.submit(batch)
+        acked = await self.ingest.submit(batch)
+        acked.add_done_callback(_retrieved)  # a stream gone before its ack must not leak it
+        return msg, acked
 
     async def _abort_publish(self, context: Context, exc: Exception) -> None:
         if isinstance(exc, InvalidArgument):
@@ -330,6 +333,15 @@ class Servicers:
 
     async def snapshot(self, req: log_pb2.SnapshotRequest) -> Message:
         return snapshot_to_proto(self.metadata.state.export())
+
+
+def _retrieved(future: asyncio.Future[Ack]) -> None:
+    """Mark an ack's error as seen: a Publish stream that ended (the engine gave up, a Redis
+    failover) leaves the acks of its batches in flight unawaited, and asyncio would report
+    each failed one as "Future exception was never retrieved". The stream's own await still
+    raises it."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _abort(context: Context, code: grpc.StatusCode, details: str, exc: BaseException) -> None:
