@@ -36,9 +36,9 @@ from typing import Any
 import zmq
 
 from events.codec_vllm import WireBatch, decode_batch
-from events.errors import EventsError
 from events.extra_keys import RequestKeys
 from events.hashing import BlockHasher, to_wire
+from events.replay_socket import ReplaySocket, SubscriberError
 from events.schema import (
     BlockDigest,
     BlockHash,
@@ -55,10 +55,6 @@ log = logging.getLogger("kvsubscriber")
 
 DEFAULT_TOPIC = "kv-events"
 """kv-bridge's default topic; vLLM's publishers default to ``""``. Subscribers take both."""
-
-
-class SubscriberError(EventsError):
-    """The bridge did not answer a replay or snapshot request in time."""
 
 
 @dataclass
@@ -88,20 +84,18 @@ class KvEventSubscriber:
         self.topics = (DEFAULT_TOPIC.encode(), b"") if topic is None else (topic.encode(),)
         self.topic = self.topics[0]
         self.default_source = default_source if default_source is not None else self.topic.decode()
-        self.replay_timeout_s = replay_timeout_s
         # PUB/SUB shows a loss only when a later message arrives; when the stream goes quiet
         # (say, right after a bridge restart) we ask the replay socket whether we missed any.
         self.idle_sync_s = idle_sync_s
         self._last_activity = time.monotonic()
         self._own_ctx = ctx is None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = ctx or zmq.Context()
-        self._replay_endpoint = replay_endpoint
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, 0)  # never drop on our side; gaps are the PUB's doing
         for prefix in {b"" if b"" in self.topics else t for t in self.topics}:
             self._sub.setsockopt(zmq.SUBSCRIBE, prefix)
         self._sub.connect(pub_endpoint)
-        self._dealer = self._new_dealer()
+        self._replay = ReplaySocket(self._ctx, replay_endpoint, replay_timeout_s)
         self.lock = threading.RLock()
         self.state = CacheState()
         self.next_seq: int | None = None  # None: not yet bootstrapped nor following
@@ -117,7 +111,7 @@ class KvEventSubscriber:
 
     def bootstrap(self) -> int:
         """Load the full current state by snapshot; return the seq the stream continues from."""
-        frames_list, end = self._request([b"", SNAPSHOT])
+        frames_list, end = self._replay.request(SNAPSHOT)
         by_source: dict[str, list[BlockStored]] = {}
         for _topic, _seq, payload in frames_list:
             batch = self._decode(payload)
@@ -137,7 +131,7 @@ class KvEventSubscriber:
 
     def replay_from(self, seq: int) -> int:
         """Apply every batch the bridge still has from ``seq`` on; return how many were applied."""
-        frames_list, _end = self._request([b"", seq_bytes(seq)])
+        frames_list, _end = self._replay.request(seq_bytes(seq))
         if self.next_seq is None:
             self.next_seq = seq
         applied = 0
@@ -243,37 +237,6 @@ class KvEventSubscriber:
             log.warning("dropping a malformed batch: %s", exc)
             return None
 
-    # -- replay socket -----------------------------------------------------------------------
-
-    def _new_dealer(self) -> zmq.Socket[bytes]:
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.RCVHWM, 0)
-        dealer.connect(self._replay_endpoint)
-        return dealer
-
-    def _request(self, request: list[bytes]) -> tuple[list[tuple[bytes, bytes, bytes]], bytes]:
-        """Send a replay/snapshot request; return the batches and the end marker's seq frame."""
-        self._dealer.send_multipart(request)
-        out: list[tuple[bytes, bytes, bytes]] = []
-        deadline = time.monotonic() + self.replay_timeout_s
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not self._dealer.poll(left_ms, zmq.POLLIN):
-                # A late answer would be mistaken for the next one's: start on a fresh socket.
-                self._dealer.close()
-                self._dealer = self._new_dealer()
-                raise SubscriberError(f"no complete reply from {self._replay_endpoint} in time")
-            frames = self._dealer.recv_multipart()
-            if len(frames) != 4 or frames[0] != b"":
-                continue
-            _empty, topic, seq_frame, payload = frames
-            if payload == b"":
-                if topic.startswith(b"error:"):  # the bridge's answer to a request for no stream
-                    raise SubscriberError(f"{self._replay_endpoint}: {topic.decode(errors='replace')}")
-                return out, seq_frame
-            out.append((topic, seq_frame, payload))
-
     # -- queries -----------------------------------------------------------------------------
 
     def longest_prefix(
@@ -303,7 +266,7 @@ class KvEventSubscriber:
 
     def close(self) -> None:
         self._sub.close(linger=0)
-        self._dealer.close(linger=0)
+        self._replay.close()
         if self._own_ctx:
             self._ctx.term()
 

@@ -1,0 +1,62 @@
+"""The client side of a kv-bridge replay socket (events.wire_frames, WIRE.md): a request for
+the batches from a seq or for a snapshot, and its answer read up to the end marker.
+
+One request at a time, within ``timeout_s`` for the whole answer. When the answer does not come
+in time the DEALER is replaced: a late answer would otherwise be taken for the next request's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from events.errors import EventsError
+
+Batch = tuple[bytes, bytes, bytes]
+"""``(topic, seq frame, payload)`` of one batch of an answer."""
+
+
+class SubscriberError(EventsError):
+    """The bridge did not answer a replay or snapshot request in time, or refused it."""
+
+
+class ReplaySocket:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, timeout_s: float) -> None:
+        self._ctx = ctx
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._dealer = self._connect()
+
+    def _connect(self) -> zmq.Socket[bytes]:
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.connect(self.endpoint)
+        return dealer
+
+    def request(self, body: bytes) -> tuple[list[Batch], bytes]:
+        """Send ``body`` (a seq frame or ``SNAPSHOT``); return the batches and the end marker's
+        seq frame. SubscriberError when the bridge refuses it or the answer is not complete in
+        time."""
+        self._dealer.send_multipart([b"", body])
+        out: list[Batch] = []
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self._dealer.poll(left_ms, zmq.POLLIN):
+                self._dealer.close()
+                self._dealer = self._connect()
+                raise SubscriberError(f"no complete reply from {self.endpoint} in time")
+            frames = self._dealer.recv_multipart()
+            if len(frames) != 4 or frames[0] != b"":
+                continue
+            _empty, topic, seq_frame, payload = frames
+            if payload == b"":
+                if topic.startswith(b"error:"):  # the bridge's answer to a request for no stream
+                    raise SubscriberError(f"{self.endpoint}: {topic.decode(errors='replace')}")
+                return out, seq_frame
+            out.append((topic, seq_frame, payload))
+
+    def close(self) -> None:
+        self._dealer.close(linger=0)
