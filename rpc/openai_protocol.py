@@ -145,15 +145,22 @@ def usage(prompt_tokens: int, completion_tokens: int, gpu_cached: int, cpu_cache
 
 
 def cached_from_usage(body: Any) -> tuple[int, int, int] | None:
-    """``(prompt_tokens, gpu_cached, cpu_cached)`` from a response or chunk with usage, else None."""
+    """``(prompt_tokens, gpu_cached, cpu_cached)`` from a response or chunk with usage, else None.
+    Counts that are not non-negative integers (another server's idea of usage) read as 0."""
     u = body.get("usage") if isinstance(body, dict) else None
     if not isinstance(u, dict):
         return None
-    details = u.get("prompt_tokens_details") or {}
-    gpu, cpu = details.get("gpu_cached_tokens"), details.get("cpu_cached_tokens")
-    if not isinstance(gpu, int) or not isinstance(cpu, int):
-        gpu, cpu = int(details.get("cached_tokens") or 0), 0
-    return int(u.get("prompt_tokens") or 0), gpu, cpu
+    details = u.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        details = {}
+    gpu, cpu = _count(details.get("gpu_cached_tokens")), _count(details.get("cpu_cached_tokens"))
+    if gpu is None or cpu is None:
+        gpu, cpu = _count(details.get("cached_tokens")) or 0, 0
+    return _count(u.get("prompt_tokens")) or 0, gpu, cpu
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def sse(data: dict[str, Any]) -> bytes:
