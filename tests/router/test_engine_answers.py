@@ -17,7 +17,14 @@ from fastapi.responses import JSONResponse, Response
 from router.config import EngineSpec, RouterConfig
 from router.service import Router
 from rpc.http_server import ThreadedHttpServer
-from rpc.openai_protocol import SSE_DONE, CompletionRequest, cached_from_usage, parse_body, sse, usage
+from rpc.openai_protocol import (
+    SSE_DONE,
+    CompletionRequest,
+    cached_from_usage,
+    parse_body,
+    sse,
+    usage,
+)
 
 ODD_USAGES: list[Any] = [
     {"prompt_tokens": "12", "prompt_tokens_details": ["cached_tokens", 4]},
