@@ -30,7 +30,10 @@ class SseEvent:
             return self.raw.startswith(b"data: [DONE]")
         if "error" in d:
             return True
-        for choice in d.get("choices") or ():
+        choices = d.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
+            if not isinstance(choice, dict):
+                continue  # another server's idea of a chunk: nothing we can call output
             delta = choice.get("delta")
             if choice.get("finish_reason") or "text" in choice or (isinstance(delta, dict) and "role" not in delta):
                 return True

@@ -45,3 +45,9 @@ def test_what_ends_the_retry_window() -> None:
     assert _read(sse({"error": {"message": "x"}}), 4)[0].carries_output
     garbage = _read(b"data: {not json\n\n", 4)[0]
     assert garbage.data is None and not garbage.carries_output
+
+
+def test_chunks_of_another_shape_carry_no_output() -> None:
+    for data in ({"choices": "text"}, {"choices": ["x", 1, None]}, {"choices": {"0": {"text": "a"}}}, [1, 2]):
+        ev = _read(sse(data) if isinstance(data, dict) else b"data: [1, 2]\n\n", 3)[0]
+        assert not ev.carries_output and not ev.is_usage_only
