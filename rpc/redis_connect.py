@@ -110,33 +110,41 @@ def _split(options: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+@dataclass(frozen=True)
+class _Flavor:
+    """redis-py's classes for one kind of client (blocking or asyncio)."""
+
+    redis: Any
+    cluster: Any
+    cluster_node: Any
+    sentinel: Any
+
+
+_BLOCKING = _Flavor(redis.Redis, redis.RedisCluster, ClusterNode, redis.sentinel.Sentinel)
+_ASYNC = _Flavor(aioredis.Redis, aioredis.RedisCluster, AsyncClusterNode, aiosentinel.Sentinel)
+
+
 def connect(url: str, **kwargs: Any) -> Any:
     """A blocking client for ``url``: ``redis.Redis`` or ``redis.RedisCluster``.
     ``kwargs`` are connection options (socket_timeout, retry...), given to every node."""
-    target = parse(url)
-    if target.kind == "standalone":
-        return redis.Redis.from_url(url, **kwargs)
-    opts = _split(target.options, kwargs)
-    if target.kind == "cluster":
-        opts.pop("db", None)
-        opts.pop("health_check_interval", None)
-        return redis.RedisCluster(
-            startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], **opts)
-    return _sentinel(redis.sentinel.Sentinel, redis.Redis, target, opts)
+    return _connect(_BLOCKING, url, kwargs)
 
 
 def connect_async(url: str, **kwargs: Any) -> Any:
     """An asyncio client for ``url``: ``redis.asyncio.Redis`` or ``redis.asyncio.RedisCluster``."""
+    return _connect(_ASYNC, url, kwargs)
+
+
+def _connect(flavor: _Flavor, url: str, kwargs: dict[str, Any]) -> Any:
     target = parse(url)
     if target.kind == "standalone":
-        return aioredis.Redis.from_url(url, **kwargs)
+        return flavor.redis.from_url(url, **kwargs)
     opts = _split(target.options, kwargs)
     if target.kind == "cluster":
         opts.pop("db", None)
         opts.pop("health_check_interval", None)
-        return aioredis.RedisCluster(
-            startup_nodes=[AsyncClusterNode(h, p) for h, p in target.nodes], **opts)
-    return _sentinel(aiosentinel.Sentinel, aioredis.Redis, target, opts)
+        return flavor.cluster(startup_nodes=[flavor.cluster_node(h, p) for h, p in target.nodes], **opts)
+    return _sentinel(flavor.sentinel, flavor.redis, target, opts)
 
 
 def _sentinel(sentinel_cls: Any, client_cls: Any, target: RedisTarget, opts: dict[str, Any]) -> Any:
