@@ -1,16 +1,23 @@
-"""kv-engine (with its HTTP API) and kv-router as real subprocesses on free loopback ports."""
+"""kv-engine (with its HTTP API) and kv-router as real subprocesses on free loopback ports, and
+the whole routed stack (Redis, offloadd, kv-bridge, engines, kv-router) for end-to-end tests."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+from engine.model.checkpoint import TinyModelSpec, write_tiny_model
+from tests.support.bridge_proc import BridgeProcess
 from tests.support.child_process import get_json, log_tail, spawn, stop_process, wait_ready
-from tests.support.redis_proc import free_port
+from tests.support.offloadd_proc import DaemonProcess
+from tests.support.redis_proc import RedisProcess, free_port
 
-__all__ = ["Proc", "engine", "get_json", "router"]
+__all__ = ["Proc", "RoutedStack", "engine", "get_json", "routed_stack", "router"]
 
 
 class Proc:
@@ -58,3 +65,40 @@ def router(workdir: Path, engines: list[Proc], *extra: str) -> Proc:
               "--served-model-name=tiny", "--health-interval-s=0.3",
               *(f"--engine={e.name}={e.url},grpc=127.0.0.1:{e.grpc_port}" for e in engines), *extra]
     return p
+
+
+@dataclass
+class RoutedStack:
+    engines: list[Proc]
+    router: Proc
+    bridge: BridgeProcess
+    model: Path
+
+
+@contextlib.contextmanager
+def routed_stack(workdir: Path, num_engines: int) -> Iterator[RoutedStack]:
+    """Redis, offloadd and kv-bridge, ``num_engines`` engines (``e0``...) on a tiny random model
+    offloading to the daemon, and kv-router in front of them following the bridge; all stopped
+    on the way out, also when one fails to start."""
+    model = write_tiny_model(workdir / "model", TinyModelSpec())
+    redis = RedisProcess(workdir / "redis")
+    daemon = DaemonProcess(workdir / "offloadd", redis.url, capacity_bytes=8 << 20)
+    bridge = BridgeProcess(redis.url, workdir / "bridge", namespace="test")
+    procs: list[Proc] = []
+    try:
+        redis.start()
+        daemon.start()
+        bridge.start()
+        engines = [engine(workdir, f"e{i}", model, daemon.target) for i in range(num_engines)]
+        front = router(workdir, engines, f"--bridge-pub={bridge.pub}", f"--bridge-replay={bridge.replay}",
+                       f"--model={model}")
+        for p in [*engines, front]:
+            procs.append(p)
+            p.start()
+        yield RoutedStack(engines, front, bridge, model)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        bridge.stop()
+        daemon.stop()
+        redis.stop()

@@ -17,11 +17,8 @@ import openai
 import pytest
 from kvcache.v1 import generate_pb2, generate_pb2_grpc
 
-from engine.model.checkpoint import TinyModelSpec, write_tiny_model
-from tests.router.procs import Proc, engine, get_json, router
+from tests.router.procs import Proc, get_json, routed_stack, router
 from tests.support.bridge_proc import BridgeProcess
-from tests.support.offloadd_proc import DaemonProcess
-from tests.support.redis_proc import RedisProcess
 
 DOC = "Document 7. The router sends each request to the engine that holds its prefix. " * 3
 
@@ -53,28 +50,8 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("router-e2e")
-    model = write_tiny_model(work / "model", TinyModelSpec())
-    redis = RedisProcess(work / "redis")
-    redis.start()
-    daemon = DaemonProcess(work / "offloadd", redis.url, capacity_bytes=8 << 20)
-    bridge = BridgeProcess(redis.url, work / "bridge", namespace="test")
-    procs: list[Proc] = []
-    try:
-        daemon.start()
-        bridge.start()
-        procs = [engine(work, f"e{i}", model, daemon.target) for i in range(2)]
-        for p in procs:
-            p.start()
-        front = router(work, procs, f"--bridge-pub={bridge.pub}", f"--bridge-replay={bridge.replay}",
-                       f"--model={model}")
-        procs.append(front.start())
-        yield Fleet(procs[:2], front, work, bridge)
-    finally:
-        for p in reversed(procs):
-            p.stop()
-        bridge.stop()
-        daemon.stop()
-        redis.stop()
+    with routed_stack(work, 2) as stack:
+        yield Fleet(stack.engines, stack.router, work, stack.bridge)
 
 
 def _complete(client: openai.OpenAI, prompt: str, **kw: Any) -> Any:

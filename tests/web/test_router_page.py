@@ -10,11 +10,7 @@ from typing import Any
 
 import openai
 
-from engine.model.checkpoint import TinyModelSpec, write_tiny_model
-from tests.router.procs import Proc, engine, get_json, router
-from tests.support.bridge_proc import BridgeProcess
-from tests.support.offloadd_proc import DaemonProcess
-from tests.support.redis_proc import RedisProcess
+from tests.router.procs import Proc, get_json, routed_stack
 from tests.web.browser import png_check
 from tests.web.devtools import Page
 
@@ -35,20 +31,8 @@ def _settled(front: Proc, requests: int) -> dict[str, Any]:
 
 
 def test_the_routers_fleet_page_shows_its_status(tmp_path: Path) -> None:
-    model = write_tiny_model(tmp_path / "model", TinyModelSpec())
-    redis = RedisProcess(tmp_path / "redis")
-    daemon = DaemonProcess(tmp_path / "offloadd", redis.url, capacity_bytes=8 << 20)
-    bridge = BridgeProcess(redis.url, tmp_path / "bridge", namespace="test")
-    procs: list[Proc] = []
-    try:
-        redis.start()
-        daemon.start()
-        bridge.start()
-        e0 = engine(tmp_path, "e0", model, daemon.target)
-        procs.append(e0.start())
-        front = router(tmp_path, [e0], f"--bridge-pub={bridge.pub}",
-                       f"--bridge-replay={bridge.replay}", f"--model={model}")
-        procs.append(front.start())
+    with routed_stack(tmp_path, 1) as stack:
+        front = stack.router
         client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="none", max_retries=0)
         for question in ("What is it?", "Who wrote it?", "Why?"):
             client.completions.create(model="tiny", prompt=DOC + question, max_tokens=2,
@@ -75,12 +59,6 @@ def test_the_routers_fleet_page_shows_its_status(tmp_path: Path) -> None:
             shot = tmp_path / "router-page.png"
             page.screenshot(shot, 1280, 720)
             assert page.errors == []  # no uncaught exception in the page
-    finally:
-        for p in reversed(procs):
-            p.stop()
-        bridge.stop()
-        daemon.stop()
-        redis.stop()
     assert png_check(shot) == (1280, 720)
     e = status["engines"][0]
     assert shown["name"] == "e0" and shown["healthy"] == "healthy" and shown["requests"] == "3"
