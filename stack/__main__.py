@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="kv-router's routing policy")
     p.add_argument("--vllm-demo", action="store_true",
                    help="also a vLLM-style engine (ZMQ publisher) followed by kv-ingest into the log")
+    p.add_argument("--second-node", action="store_true",
+                   help="also a second node (own offloadd and arena, one engine, the same Redis) "
+                        "whose engine is served from the first node's host tier")
     p.add_argument("--no-demo", action="store_true", help="start the stack only")
     p.add_argument("--short", action="store_true", help="a shorter demo workload")
     return p
@@ -62,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=Path(args.model).resolve() if args.model else None, hybrid=args.hybrid,
         arena_bytes=args.arena_bytes, num_gpu_blocks=args.gpu_blocks, arena_dir=args.arena_dir,
         num_engines=args.engines, router_policy=args.policy, vllm_demo=args.vllm_demo,
+        second_node=args.second_node,
     )
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
@@ -77,12 +81,18 @@ def main(argv: list[str] | None = None) -> int:
               f"\n            {ep.router_grpc} (gRPC Generate)"
               + (f"\n  vllm-demo {ep.vllm_demo} (vLLM-style publisher) -> kv-ingest (metrics "
                  f"{ep.ingest_metrics}) -> the log as source 'vllm-demo'" if ep.vllm_demo else "")
+              + (f"\n  node 2    offloadd {ep.node2_offloadd} (fleet peer: {ep.offloadd})  engine "
+                 f"{ep.node2_engine_url} (OpenAI HTTP)" if ep.node2_offloadd else "")
               + "\n",
               flush=True)
         if not args.no_demo:
             from stack.demo import run_demo
 
             run_demo(ep.router, ep.bridge_pub, ep.bridge_replay, config.topic, run_dir, args.short)
+            if ep.node2_engine_url:
+                from stack.second_node import run_cross_node
+
+                run_cross_node(ep.engine_urls[0], ep.node2_engine_url)
         if args.command == "demo":
             return 0
         print("\nkv-stack: the stack is up; Ctrl-C stops it.", flush=True)

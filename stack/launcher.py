@@ -33,6 +33,10 @@ class StackConfig:
     vllm_demo: bool = False
     """Also start a vLLM-style engine (ingest.demo_engine) and kv-ingest following it into the
     log as the source ``vllm-demo``."""
+    second_node: bool = False
+    """Also start a second node on the same Redis: its own offloadd (namespace
+    ``<namespace>-node2``, node 1's daemon as its fleet peer) and arena, and one engine on it
+    whose local misses are served from node 1's tier (issue 21)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,9 @@ class Endpoints:
     vllm_demo: str = ""
     """The vLLM-style engine's PUB endpoint, when started; kv-ingest's metrics beside it."""
     ingest_metrics: str = ""
+    node2_offloadd: str = ""
+    """The second node's daemon and its engine's OpenAI base URL, when started."""
+    node2_engine_url: str = ""
 
 
 def port_or_free(preferred: int) -> int:
@@ -110,7 +117,30 @@ class Stack:
         self._start_router()
         if cfg.vllm_demo:
             self._start_vllm_demo()
+        if cfg.second_node:
+            self._start_second_node()
         return self.endpoints
+
+    def _start_second_node(self) -> None:
+        """Node 2: offloadd with node 1's daemon as fleet peer, its own arena, one engine."""
+        assert self.endpoints is not None
+        cfg = self.config
+        grpc_port, metrics_port = port_or_free(50151), port_or_free(9410)
+        self.sup.start("node2-offloadd", _py(
+            "offloadd", "--grpc-host=127.0.0.1", f"--grpc-port={grpc_port}",
+            f"--metrics-port={metrics_port}", f"--namespace={cfg.namespace}-node2",
+            f"--arena-dir={cfg.arena_dir}", f"--capacity-bytes={cfg.arena_bytes}",
+            f"--chunk-bytes={min(cfg.arena_bytes, 128 << 20)}",
+            f"--fleet-peers=node1={self.endpoints.offloadd}/{cfg.namespace}", "--fleet-node=node2",
+        ), ready=lambda: grpc_serving(f"127.0.0.1:{grpc_port}"))
+        port, http = port_or_free(50161), port_or_free(8011)
+        self.sup.start("node2-engine-0", _py(
+            "engine", "serve", f"--model={self.model_dir}", "--host=127.0.0.1", f"--port={port}",
+            f"--http-port={http}", "--served-model-name=demo", "--engine-id=node2-engine-0",
+            f"--num-gpu-blocks={cfg.num_gpu_blocks}", f"--offloadd=127.0.0.1:{grpc_port}", "--offload",
+        ), ready=lambda: grpc_serving(f"127.0.0.1:{port}"), timeout_s=120)
+        self.endpoints = replace(self.endpoints, node2_offloadd=f"127.0.0.1:{grpc_port}",
+                                 node2_engine_url=f"http://127.0.0.1:{http}")
 
     def _start_vllm_demo(self) -> None:
         """A vLLM-style engine's ZMQ publisher and kv-ingest appending it to the log."""
