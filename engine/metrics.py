@@ -48,3 +48,5 @@ class EngineCollector(Collector):
                                   value=s.stream.num_dropped)
         yield CounterMetricFamily("kv_engine_event_stream_reconnects", "Reconnects of the event stream",
                                   value=s.stream.num_reconnects)
+        yield CounterMetricFamily("kv_engine_events_oversize", "KV events (single blocks) left out: too big "
+                                  "for one gRPC message even alone", value=s.stream.num_oversize)

@@ -23,6 +23,7 @@ from typing import Final, Literal
 
 from events.hashing import DIGEST_BYTES, HASH_ALGOS, HashAlgo
 from events.logkeys import LogKeys
+from offloadd.client.batch_split import DAEMON_MAX_MESSAGE_BYTES
 from offloadd.errors import OffloaddError
 from offloadd.fleet.peers import parse_peers
 from rpc import redis_connect
@@ -92,6 +93,9 @@ class OffloaddConfig:
     verify_on_load: bool = False
     """Check a block's xxh3 checksum on every Lookup hit (a mismatch is a miss and is dropped)."""
     max_batch_events: int = 4096
+    max_message_bytes: int = DAEMON_MAX_MESSAGE_BYTES
+    """Largest gRPC message received (an EventBatch, a request); a larger one fails its call with
+    RESOURCE_EXHAUSTED. IngestStream splits batches far below it (DECISIONS 45)."""
     max_request_hashes: int = 16_384
     """Largest number of hashes or blocks accepted in one OffloadStore request."""
     min_block_bytes: int = 256
@@ -164,7 +168,7 @@ class OffloaddConfig:
             raise ConfigError(f"hash_algo: must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
         for name in ("lease_ms", "max_lease_ms", "sweep_interval_ms", "max_batch_events",
                      "max_request_hashes", "min_block_bytes", "max_layouts", "max_engines",
-                     "max_id_bytes"):
+                     "max_id_bytes", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.engine_lease_s <= 0:

@@ -17,6 +17,13 @@ epoch than the first one, or the daemon asks to resend batches it had already ac
 batches and the fence are gone: Redis lost the log), no resend can repair it: the stream starts
 a new incarnation too, instead of resending forever.
 
+Every batch fits gRPC's message size (``max_message_bytes``, DECISIONS 45): a larger one is
+split into consecutive seqs by events, and an event by blocks (offloadd.client.batch_split); a
+block too big alone is left out, counted (``num_oversize``) and reported to ``on_oversize``.
+When the daemon's limit is smaller than ours (its stream fails with RESOURCE_EXHAUSTED), the
+stream takes the daemon's limit and splits again the unacked batches from the first one too big,
+instead of resending it forever.
+
 With ``on_reset``, a reset closes the stream to new batches until the engine calls
 :meth:`resync` with everything it holds: batches submitted meanwhile are dropped (the
 re-announce covers them), so the new incarnation starts with ``AllBlocksCleared`` and the whole
@@ -30,6 +37,7 @@ daemon acks a seq beyond any this stream assigned, that reuse is certain and the
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -41,11 +49,14 @@ from kvcache.v1 import events_pb2, log_pb2, log_pb2_grpc
 
 from events.codec_proto import EventBatch, batch_to_proto
 from events.schema import AllBlocksCleared, Event
+from offloadd.client.batch_split import DEFAULT_MAX_MESSAGE_BYTES, BatchTooLarge, fit_batches
 from rpc.tls import ClientSecurity
 
 log = logging.getLogger(__name__)
 
 _APPLIED, _DUPLICATE, _RESEND, _REJECTED = 1, 2, 3, 4
+_PEER_LIMIT = re.compile(r"larger than max \(\d+ vs\. (\d+)\)")  # gRPC's words for it
+_MIN_MESSAGE_BYTES = 4096
 
 
 def new_incarnation(previous: int = 0) -> int:
@@ -59,6 +70,8 @@ class IngestStream:
         max_pending: int = 1024, max_batch_events: int = 4096,
         backoff_s: tuple[float, float] = (0.05, 2.0),
         on_reset: Callable[[int], None] | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        on_oversize: Callable[[BatchTooLarge], None] | None = None,
         credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
     ) -> None:
         self.target = target
@@ -67,6 +80,10 @@ class IngestStream:
         self.max_pending = max_pending
         self.max_batch_events = max_batch_events
         self.on_reset = on_reset
+        if max_message_bytes < _MIN_MESSAGE_BYTES:
+            raise ValueError(f"max_message_bytes: must be >= {_MIN_MESSAGE_BYTES}, got {max_message_bytes}")
+        self.max_message_bytes = max_message_bytes
+        self.on_oversize = on_oversize
         self._backoff = backoff_s
         self._cond = threading.Condition()
         self._pending: OrderedDict[int, events_pb2.EventBatch] = OrderedDict()
@@ -80,6 +97,7 @@ class IngestStream:
         self.num_dropped = 0  # batches dropped by resets (queue full or rejected)
         self.num_resets = 0
         self.num_reconnects = 0
+        self.num_oversize = 0  # events (or single blocks) left out: too big for one message
         self.last_error = ""
         self.log_epoch = ""  # the epoch of the log this stream's batches went to
         self._awaiting_resync = False  # after a reset with on_reset: drop until resync()
@@ -95,8 +113,7 @@ class IngestStream:
         seq assigned, or 0 when ``events`` is empty (nothing is sent)."""
         if not events:
             return 0
-        chunks = [tuple(events[i : i + self.max_batch_events])
-                  for i in range(0, len(events), self.max_batch_events)]
+        chunks = self._split(events)
         with self._cond:
             if self._closed:
                 raise RuntimeError("IngestStream is closed")
@@ -114,24 +131,37 @@ class IngestStream:
     def resync(self, events: Sequence[Event]) -> int:
         """Queue ``AllBlocksCleared(GPU)`` then ``events`` (everything the engine holds, in one
         first batch when it fits) and open the stream again after a reset; returns the last seq."""
-        stream: list[Event] = [AllBlocksCleared("GPU"), *events]
-        chunks = [tuple(stream[i : i + self.max_batch_events])
-                  for i in range(0, len(stream), self.max_batch_events)]
+        chunks = self._split([AllBlocksCleared("GPU"), *events])
         with self._cond:
             if self._closed:
                 raise RuntimeError("IngestStream is closed")
             self._awaiting_resync = False
             return self._queue(chunks)
 
-    def _queue(self, chunks: list[tuple[Event, ...]]) -> int:
+    def _split(self, events: Sequence[Event]) -> list[events_pb2.EventBatch]:
+        """``events`` as batches that fit (numbered by ``_queue``); what cannot fit is reported."""
+        whole = batch_to_proto(EventBatch(self.engine_id, 0, 0, 0.0, tuple(events)))
+        batches, refused = fit_batches([whole], self.max_message_bytes, self.max_batch_events)
+        self._refused(refused)
+        return batches
+
+    def _refused(self, refused: list[BatchTooLarge]) -> None:
+        for exc in refused:
+            self.num_oversize += exc.left_out
+            self.last_error = str(exc)
+            log.error("ingest: %s", exc)
+            if self.on_oversize is not None:
+                self.on_oversize(exc)
+
+    def _queue(self, chunks: list[events_pb2.EventBatch]) -> int:
         """Number and queue ``chunks``; the caller holds ``_cond``."""
         seq = 0
+        now = time.time()
         for chunk in chunks:
             seq = self._next_seq
             self._next_seq += 1
-            self._pending[seq] = batch_to_proto(
-                EventBatch(self.engine_id, self.incarnation, seq, time.time(), chunk)
-            )
+            chunk.incarnation, chunk.seq, chunk.ts = self.incarnation, seq, now
+            self._pending[seq] = chunk
         self._cond.notify_all()
         return seq
 
@@ -207,11 +237,33 @@ class IngestStream:
                     break
                 self.last_error = f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
                 log.info("ingest stream error, reconnecting: %s", self.last_error)
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+                    self._shrink(exc.details() or "")  # type: ignore[attr-defined]
             self._connected = False
             self.num_reconnects += 1
             with self._cond:
                 self._cond.wait_for(lambda: self._closed, delay)
             delay = min(delay * 2, self._backoff[1])
+
+    def _shrink(self, details: str) -> None:
+        """The daemon refused a message as too big: take its limit (or half ours when it did not
+        say) and split again the unacked batches from the first one above it. No seq from that
+        one on reached the daemon (the stream ends at the refused message), so they may be
+        numbered anew; the earlier ones keep their seqs (they may be applied, their acks lost)."""
+        said = _PEER_LIMIT.search(details)
+        limit = max(_MIN_MESSAGE_BYTES, min(int(said.group(1)), self.max_message_bytes) if said
+                    else self.max_message_bytes // 2)
+        with self._cond:
+            self.max_message_bytes = limit
+            first = next((seq for seq, b in self._pending.items() if b.ByteSize() > limit), 0)
+            tail = [self._pending.pop(seq) for seq in list(self._pending) if first and seq >= first]
+            batches, refused = fit_batches(tail, limit, self.max_batch_events)
+            if first:
+                self._next_seq = first
+                self._queue(batches)
+        log.warning("ingest: offloadd refused a message as too big (%s); batches now at most %d "
+                    "bytes (split again from seq %d)", details, limit, first)
+        self._refused(refused)
 
     def _requests(self) -> Iterator[events_pb2.EventBatch]:
         with self._cond:

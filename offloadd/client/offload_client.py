@@ -24,6 +24,7 @@ from events.codec_proto import record_from_proto, snapshot_from_proto
 from events.schema import LogRecord
 from events.state import Snapshot
 from offloadd import codec
+from offloadd.client.batch_split import DAEMON_MAX_MESSAGE_BYTES
 from offloadd.client.errors import OffloadUnavailable, error_from_rpc
 from offloadd.messages import (
     BlockData,
@@ -67,7 +68,10 @@ class OffloadClient:
 
     def __init__(self, target: str, timeout_s: float = 5.0, retry: RetryPolicy | None = None, *,
                  credentials: grpc.ChannelCredentials | None = None, token: str | None = None) -> None:
-        self.channel = ClientSecurity(credentials, token).channel(target)
+        # Read back whatever the daemon accepts (its --max-message-bytes default): a log record
+        # or a snapshot past gRPC's 4 MiB default would fail every Subscribe from there on.
+        self.channel = ClientSecurity(credentials, token).channel(
+            target, options=[("grpc.max_receive_message_length", DAEMON_MAX_MESSAGE_BYTES)])
         self._store = offload_pb2_grpc.OffloadStoreStub(self.channel)
         self._log = log_pb2_grpc.EventLogStub(self.channel)
         self.timeout_s = timeout_s

@@ -87,7 +87,7 @@ class Daemon:
         self.metrics.watch(self.store, self.ingest)
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
+            options=[("grpc.max_receive_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0)],
             interceptors=[AioTokenInterceptor(token)] if token is not None else None,
         )
         self.is_token_required = token is not None
