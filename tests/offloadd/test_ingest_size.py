@@ -143,3 +143,8 @@ def test_a_record_past_4_mib_reads_back(daemon: DaemonProcess) -> None:
     with OffloadClient(daemon.target) as client:
         got = list(client.subscribe(1))
     assert [len(e.block_hashes) for r in got for e in r.events if isinstance(e, BlockStored)] == [400]
+
+
+def test_a_limit_too_small_to_carry_a_batch_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_message_bytes: must be >= 4096"):
+        IngestStream("127.0.0.1:1", "eng", 1, max_message_bytes=100)
