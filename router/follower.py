@@ -31,8 +31,8 @@ FULL_GC_INTERVAL_S = 600.0  # as kv-bridge's default
 
 class Follower:
     def __init__(self, pub: str, replay: str, topic: str, *, retry_s: float = 1.0,
-                 full_gc_interval_s: float = FULL_GC_INTERVAL_S) -> None:
-        self.sub = KvEventSubscriber(pub, replay, topic)
+                 replay_timeout_s: float = 10.0, full_gc_interval_s: float = FULL_GC_INTERVAL_S) -> None:
+        self.sub = KvEventSubscriber(pub, replay, topic, replay_timeout_s=replay_timeout_s)
         self.gc = GcPolicy(full_gc_interval_s)
         self.sub.on_batch(self._count)
         self._retry_s = retry_s
@@ -52,10 +52,16 @@ class Follower:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop following. The sockets are the follower thread's: it closes them when it
+        returns (a snapshot request may keep it up to the replay timeout), never another."""
         self._stop.set()
-        self._thread.join(5.0)
-        self.sub.close()
+        if self._thread.ident is None:  # never started
+            self.sub.close()
+            return
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("the bridge follower is still waiting for an answer; it stops after it")
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[CacheState | None]:
@@ -76,6 +82,12 @@ class Follower:
         self._recent.append((time.monotonic(), blocks))
 
     def _run(self) -> None:
+        try:
+            self._follow()
+        finally:
+            self.sub.close()
+
+    def _follow(self) -> None:
         while not self._stop.is_set():
             try:
                 self.sub.bootstrap()
