@@ -55,8 +55,11 @@ def _plain(messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
 
 
 def _jinja(template: str, bos: str, eos: str) -> Callable[[Sequence[ChatMessage], bool], str]:
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    try:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as exc:
+        raise PromptError("the model's chat template needs the jinja2 package: pip install jinja2") from exc
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 

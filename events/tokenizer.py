@@ -56,7 +56,7 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer as HFTokenizerImpl
         except ImportError as exc:
-            raise TokenizerError(f"{path} needs the tokenizers package: pip install 'kvoffload[engine]'") from exc
+            raise TokenizerError(f"{path} needs the tokenizers package: pip install tokenizers") from exc
         try:
             self._tok = HFTokenizerImpl.from_file(str(path))
         except Exception as exc:  # the library raises a bare Exception for unreadable or foreign JSON
