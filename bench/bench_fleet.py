@@ -11,6 +11,9 @@ Two real daemons on loopback (two nodes' namespaces on one Redis). Node A holds 
   ReadBlocks stream with xxh3 checksums (verified), Release, then Reserve, arena writes and
   Commit on B (its log gets the BlockStored). B's copy is dropped between repeats (a fresh
   namespace per repeat) so every repeat moves every block;
+- **fill**: what an engine on node B sees (DECISIONS 44): B started with ``--fleet-peers``,
+  an engine's Lookup of the chain misses locally and daemon B reads it from A and stores it
+  before answering (timed: that one Lookup);
 - **readblocks**: the ReadBlocks stream from A alone (what the network part costs);
 - **bare gRPC**: a server streaming the same bytes in messages of one block each;
 - **bare TCP**: one socket sending the same bytes, the reader receiving into one buffer.
@@ -38,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc
 
-from offloadd.client import BlockToStore, GroupSpec, OffloadClient
+from offloadd.client import BlockToStore, GroupQuery, GroupSpec, OffloadClient
 from offloadd.client.fleet_fetch import fetch_prefix
 from tests.support.offloadd_proc import DaemonProcess
 from tests.support.redis_proc import RedisProcess
@@ -58,6 +61,26 @@ def _fill(target: str, group: GroupSpec, n: int) -> list[BlockToStore]:
             c.commit("filler", res.reservation_id)
         arena.close()
     return chain
+
+
+def _fill_lookup(work: Path, redis_url: str, namespace: str, a: DaemonProcess, group: GroupSpec,
+                 capacity: int, chain: list[BlockToStore], started: list[DaemonProcess]) -> float:
+    """Seconds of one engine Lookup on a fresh node that its daemon fills from node A."""
+    c = DaemonProcess(work, redis_url, namespace, capacity_bytes=capacity, extra_args=(
+        "--log-level", "WARNING", "--max-request-hashes", "100000", "--fleet-peers",
+        f"a={a.target}/{a.namespace}", "--fleet-timeout-s", "60", "--fleet-refresh-ms", "20"))
+    c.start()
+    started.append(c)
+    query = [GroupQuery(0, tuple(b.block_hash for b in chain))]
+    with OffloadClient(c.target, timeout_s=120) as local:
+        local.register_engine("c-eng", 1, "bench", [group])
+        time.sleep(1.0)  # c's fleet index has read a's log
+        t0 = time.perf_counter()
+        hit = local.lookup("c-eng", query).results[0].num_prefix
+        dt = time.perf_counter() - t0
+    assert hit == len(chain), hit
+    c.kill()
+    return dt
 
 
 def _bare_grpc(payloads: list[bytes]) -> float:
@@ -122,7 +145,8 @@ def main() -> int:
     size = args.block_kib * 1024
     group = GroupSpec(0, "full_attention", 0, 16, size, "bfloat16", "bench-layout")
     capacity = args.blocks * size * 2
-    times: dict[str, list[float]] = {"fetch": [], "readblocks": [], "bare_grpc": [], "bare_tcp": []}
+    times: dict[str, list[float]] = {"fetch": [], "fill": [], "readblocks": [], "bare_grpc": [],
+                                     "bare_tcp": []}
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
         work = Path(tmp)
         redis_proc = RedisProcess(work / "redis")
@@ -153,6 +177,8 @@ def main() -> int:
                         arena.close()
                     assert out.fetched == args.blocks, out
                     b.kill()
+                    times["fill"].append(_fill_lookup(work / f"c{r}", redis_proc.url, f"node-c{r}", a,
+                                                      group, capacity, chain, nodes_b))
                     times["bare_grpc"].append(_bare_grpc(payloads))
                     times["bare_tcp"].append(_bare_tcp(payloads))
         finally:
@@ -170,7 +196,8 @@ def main() -> int:
     out_path.write_text(json.dumps({"host": platform.node(), "args": vars(args), "bytes": args.blocks * size,
                                     "seconds": times, "median_mb_per_s": rates,
                                     "fetch_vs_bare_tcp": rates["fetch"] / rates["bare_tcp"],
-                                    "fetch_vs_bare_grpc": rates["fetch"] / rates["bare_grpc"]},
+                                    "fetch_vs_bare_grpc": rates["fetch"] / rates["bare_grpc"],
+                                    "fill_vs_bare_tcp": rates["fill"] / rates["bare_tcp"]},
                                    indent=1) + "\n")
     print(f"wrote {out_path}")
     return 0

@@ -282,6 +282,22 @@ def block_data_to_proto(b: BlockData) -> pb.BlockData:
                         extra_keys=b.extra_keys, lora_name=b.lora_name)
 
 
+def block_data_wire(b: BlockData) -> bytes:
+    """``b`` as a serialized BlockData, its bytes copied once: the small fields through
+    protobuf, then field 2 (``data``) appended by hand (fields may come in any order)."""
+    meta = pb.BlockData(block_hash=b.block_hash, checksum=b.checksum,
+                        parent_block_hash=b.parent_block_hash or b"", token_ids=b.token_ids,
+                        extra_keys=b.extra_keys, lora_name=b.lora_name).SerializeToString()
+    if not b.data:
+        return meta
+    n, head = len(b.data), bytearray(b"\x12")
+    while n >= 0x80:
+        head.append(n & 0x7F | 0x80)
+        n >>= 7
+    head.append(n)
+    return b"".join((meta, head, b.data))
+
+
 def block_data_from_proto(b: pb.BlockData) -> BlockData:
     return BlockData(b.block_hash, b.data, b.checksum, b.parent_block_hash or None,
                      tuple(b.token_ids), b.extra_keys,

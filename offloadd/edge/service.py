@@ -133,7 +133,7 @@ class Servicers:
                 "Release": unary("Release", o.ReleaseRequest, o.ReleaseResponse, self.release),
                 "Stats": unary("Stats", o.StatsRequest, o.StatsResponse, self.stats),
                 "ReadBlocks": grpc.unary_stream_rpc_method_handler(
-                    self.read_blocks, response_serializer=o.BlockData.SerializeToString),
+                    self.read_blocks, response_serializer=bytes),  # codec.block_data_wire
             },
             "kvcache.v1.EventIngest": {
                 "Publish": grpc.stream_stream_rpc_method_handler(
@@ -181,7 +181,7 @@ class Servicers:
     async def stats(self, req: offload_pb2.StatsRequest) -> Message:
         return codec.stats_to_proto(self.store.stats())
 
-    async def read_blocks(self, raw: bytes, context: Context) -> AsyncIterator[Message]:
+    async def read_blocks(self, raw: bytes, context: Context) -> AsyncIterator[bytes]:
         try:
             req = parse(raw, offload_pb2.ReadBlocksRequest, "ReadBlocks")
             blocks = self.store.read_blocks(req.engine_id, req.group_idx, list(req.block_hashes))
@@ -189,7 +189,7 @@ class Servicers:
             await _abort(context, status_of(exc) or grpc.StatusCode.UNKNOWN, f"ReadBlocks: {exc}", exc)
             return
         for block in blocks:
-            yield codec.block_data_to_proto(block)
+            yield codec.block_data_wire(block)
 
     # -- EventIngest ----------------------------------------------------------------------
 

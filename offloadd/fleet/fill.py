@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import xxhash
@@ -39,6 +40,8 @@ from offloadd.tier.writes import StoreWriter
 
 log = logging.getLogger(__name__)
 
+STREAM_BLOCKS = 32  # blocks per ReadBlocks stream; a longer prefix is read over several at once
+MAX_STREAMS = 4
 READER_PREFIX = "fleet:"  # engine ids of peers' daemons reading this one: never filled in turn
 
 
@@ -150,7 +153,12 @@ class FleetFill:
                     raise
         held = found.results[0].num_prefix
         try:
-            return client.read_blocks(reader, rec.group_idx, hashes[:held]) if held else []
+            parts = [hashes[i:i + STREAM_BLOCKS] for i in range(0, held, STREAM_BLOCKS)]
+            if len(parts) <= 1:
+                return client.read_blocks(reader, rec.group_idx, hashes[:held]) if held else []
+            with ThreadPoolExecutor(min(len(parts), MAX_STREAMS)) as pool:  # streams side by side
+                got = pool.map(lambda p: client.read_blocks(reader, rec.group_idx, p), parts)
+                return [b for part in got for b in part]
         finally:
             if found.lease_id:
                 client.release(reader, found.lease_id)

@@ -159,3 +159,31 @@ def test_engine_on_b_loads_a_prefix_computed_on_a(tmp_path: Path, redis_url: str
     finally:
         a.kill()
         b.kill()
+
+
+def test_a_long_prefix_is_read_over_several_streams(tmp_path: Path, redis_url: str) -> None:
+    from offloadd.fleet.fill import STREAM_BLOCKS
+
+    n = 2 * STREAM_BLOCKS + 5  # three ReadBlocks streams side by side
+    a = DaemonProcess(tmp_path / "a", redis_url, "node-a", capacity_bytes=4 * n * SLOT)
+    a.start()
+    b = DaemonProcess(tmp_path / "b", redis_url, "node-b", capacity_bytes=4 * n * SLOT,
+                      extra_args=_peer_args(a))
+    b.start()
+    try:
+        storer = SyntheticStorer(a.target, "long", chain_len=n, max_chains=1).start()
+        deadline = time.monotonic() + 20
+        while storer.stats.stores < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        storer.stop()
+        chain = [digest("long", i) for i in range(n)]
+        with OffloadClient(b.target) as local:
+            arena = local.register_engine("b-eng", 1, "synthetic", [GROUP]).map_arena(0)
+            try:
+                assert _lookup_until(local, "b-eng", chain, n) == n
+                assert served_blocks_match(local, "b-eng", arena, chain) == (n, [])
+            finally:
+                arena.close()
+    finally:
+        a.kill()
+        b.kill()
