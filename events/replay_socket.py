@@ -21,6 +21,19 @@ class SubscriberError(EventsError):
     """The bridge did not answer a replay or snapshot request in time, or refused it."""
 
 
+class EndpointError(SubscriberError, ValueError):
+    """An endpoint ZMQ cannot connect to (a typo, a missing scheme)."""
+
+
+def connect(sock: zmq.Socket[bytes], endpoint: str) -> None:
+    """``sock.connect(endpoint)``; EndpointError, naming the forms, when ZMQ refuses it."""
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        raise EndpointError(f"cannot connect to {endpoint!r}: {exc.strerror} (expected tcp://HOST:PORT, "
+                            "ipc://PATH or inproc://NAME)") from None
+
+
 class ReplaySocket:
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, timeout_s: float) -> None:
         self._ctx = ctx
@@ -32,7 +45,11 @@ class ReplaySocket:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)
-        dealer.connect(self.endpoint)
+        try:
+            connect(dealer, self.endpoint)
+        except EndpointError:
+            dealer.close(linger=0)
+            raise
         return dealer
 
     def request(self, body: bytes) -> tuple[list[Batch], bytes]:

@@ -38,7 +38,7 @@ import zmq
 from events.codec_vllm import WireBatch, decode_batch
 from events.extra_keys import RequestKeys
 from events.hashing import BlockHasher, to_wire
-from events.replay_socket import ReplaySocket, SubscriberError
+from events.replay_socket import EndpointError, ReplaySocket, SubscriberError, connect
 from events.schema import (
     BlockDigest,
     BlockHash,
@@ -94,8 +94,14 @@ class KvEventSubscriber:
         self._sub.setsockopt(zmq.RCVHWM, 0)  # never drop on our side; gaps are the PUB's doing
         for prefix in {b"" if b"" in self.topics else t for t in self.topics}:
             self._sub.setsockopt(zmq.SUBSCRIBE, prefix)
-        self._sub.connect(pub_endpoint)
-        self._replay = ReplaySocket(self._ctx, replay_endpoint, replay_timeout_s)
+        try:
+            connect(self._sub, pub_endpoint)
+            self._replay = ReplaySocket(self._ctx, replay_endpoint, replay_timeout_s)
+        except EndpointError:
+            self._sub.close(linger=0)
+            if self._own_ctx:
+                self._ctx.term()
+            raise
         self.lock = threading.RLock()
         self.state = CacheState()
         self.next_seq: int | None = None  # None: not yet bootstrapped nor following

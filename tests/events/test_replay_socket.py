@@ -1,5 +1,6 @@
 """events.replay_socket against a real ROUTER socket: an answer read to its end marker, a
-refusal, and a late answer that must not be taken for the next request's."""
+refusal, and a late answer that must not be taken for the next request's; an endpoint ZMQ
+refuses is one clear error for the subscriber and the processes that take one."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 import zmq
 
-from events.replay_socket import Batch, ReplaySocket, SubscriberError
+from events.replay_socket import Batch, EndpointError, ReplaySocket, SubscriberError
+from events.subscriber import KvEventSubscriber
 from events.wire_frames import END_SEQ, SNAPSHOT, ReplayRequest, parse_request, seq_bytes
+from kvctl.main import main as kvctl_main
+from router.main import main as router_main
 
 
 class Bridge:
@@ -81,3 +85,16 @@ def test_a_late_answer_is_not_taken_for_the_next_ones(bridge: Bridge) -> None:
     assert second.identity != first.identity and second.start_seq == 7
     bridge.answer(second.identity, [7])
     assert reply.result(5) == ([(b"t", seq_bytes(7), b"batch 7")], END_SEQ)
+
+
+@pytest.mark.parametrize("pub, replay", [("garbage", "tcp://127.0.0.1:1"), ("tcp://127.0.0.1:1", "127.0.0.1:2")])
+def test_a_bad_endpoint_is_one_clear_error(pub: str, replay: str, capsys: pytest.CaptureFixture[str]) -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    with pytest.raises(EndpointError, match=r"cannot connect to .*expected tcp://HOST:PORT"):
+        KvEventSubscriber(pub, replay, "t", ctx=ctx)
+    ctx.term()  # returns at once: the subscriber closed the sockets it had opened
+    assert kvctl_main(["tail", "--pub", pub, "--replay", replay, "--count", "1"]) == 2
+    assert router_main(["--engine", "e=http://127.0.0.1:1", "--port", "0", "--grpc-port", "-1",
+                        "--bridge-pub", pub, "--bridge-replay", replay]) == 2
+    err = capsys.readouterr().err
+    assert err.count("cannot connect to") == 2 and "Traceback" not in err
