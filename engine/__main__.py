@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="use offloadd's host tier (store full blocks, load CPU-tier prefixes); needs --offloadd")
     serve.add_argument("--model-namespace", default=None,
                        help="host-tier namespace shared by engines of the same weights (default: model dir name)")
+    serve.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                       help="on SIGTERM/SIGINT, requests in flight get this long to finish before they are "
+                            "cancelled; then queued offload stores and KV event acks are waited for")
     _security_args(serve)
     gen = sub.add_parser("generate", help="generate for one prompt and print the text")
     _engine_args(gen)
@@ -169,8 +172,11 @@ def _serve(a: argparse.Namespace) -> int:
     from engine.engine_core import EngineCore
     from engine.engine_loop import EngineLoop
     from engine.server import create_server
+    from engine.shutdown import SERVER_MARGIN_S, Serving
     from rpc.tls import ClientSecurity, check_server_tls, read_token, server_credentials
 
+    if not a.shutdown_grace_s >= 0:
+        raise ValueError(f"--shutdown-grace-s must be >= 0, got {a.shutdown_grace_s}")
     cfg = _engine_config(a)
     check_server_tls(a.tls_cert, a.tls_key, a.tls_client_ca)
     server_creds = server_credentials(a.tls_cert, a.tls_key, a.tls_client_ca) if a.tls_cert else None
@@ -216,7 +222,8 @@ def _serve(a: argparse.Namespace) -> int:
 
         model_name = a.served_model_name or Path(cfg.model_dir).resolve().name
         app = create_app(loop, model_name, load_chat_template(cfg.model_dir))
-        http = ThreadedHttpServer(app, a.http_host or a.host, a.http_port).start()
+        http = ThreadedHttpServer(app, a.http_host or a.host, a.http_port,
+                                 grace_s=a.shutdown_grace_s + SERVER_MARGIN_S).start()
         log.info("OpenAI HTTP API on port %d (model name %r)", http.port, model_name)
         print(f"kv-engine: http on port {http.port}", flush=True)
     if a.metrics_port >= 0:
@@ -226,19 +233,24 @@ def _serve(a: argparse.Namespace) -> int:
         metrics_server, _thread = start_http_server(a.metrics_port, registry=registry)
         log.info("metrics on port %d", metrics_server.server_port)
         print(f"kv-engine: metrics on port {metrics_server.server_port}", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
-    log.info("shutting down")
-    if http is not None:
-        http.stop()
-    server.stop(grace=5).wait()
-    loop.stop()
-    if connector is not None:
-        connector.close()
-    core.event_sink.close()
+    _wait_for_stop_signal()
+    log.info("shutting down (requests in flight get %.1f s)", a.shutdown_grace_s)
+    Serving(loop, server, http, connector, core.event_sink).shut_down(a.shutdown_grace_s)
     return 0
+
+
+def _wait_for_stop_signal() -> None:
+    """Until the first SIGTERM or SIGINT; a second one ends the process at once (default action)."""
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+        done.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    done.wait()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,6 +6,7 @@ thread alone, so the core needs no locks. Each request gets a stream of ``StepOu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.engine_core import EngineCore
-from engine.errors import EngineError
+from engine.errors import EngineError, EngineStopped
 from engine.request import StepOutput
 from engine.sampling import SamplingParams
 
@@ -57,6 +58,8 @@ class EngineLoop:
         self._inbox: queue.Queue[_Command] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._stopped = threading.Event()
+        self._accepting = threading.Lock()
+        """Held to queue a command and to refuse the rest at the end: no command is left unanswered."""
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.num_steps = 0
 
@@ -65,15 +68,17 @@ class EngineLoop:
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop after the step running now; requests not finished get an EngineStopped."""
         self._stopped.set()
         self._inbox.put(_Command(lambda core: None, Future()))
         self._thread.join(timeout_s)
 
     def _call(self, fn: Callable[[EngineCore], Any]) -> Any:
-        if self._stopped.is_set():
-            raise EngineError("the engine is shutting down")
         fut: Future[Any] = Future()
-        self._inbox.put(_Command(fn, fut))
+        with self._accepting:
+            if self._stopped.is_set():
+                raise EngineStopped("the engine is shutting down")
+            self._inbox.put(_Command(fn, fut))
         return fut.result()
 
     def submit(
@@ -97,7 +102,7 @@ class EngineLoop:
             if stream is not None:
                 stream._put(_END)
 
-        if not self._stopped.is_set():
+        with contextlib.suppress(EngineStopped):  # stopped: the loop ends every open stream itself
             self._call(abort)
 
     def reset_prefix_cache(self) -> bool:
@@ -119,8 +124,17 @@ class EngineLoop:
             if self.core.has_unfinished and not self._stopped.is_set():
                 self._step()
         for stream in self._streams.values():
-            stream._put(EngineError("the engine shut down before the request finished"))
+            stream._put(EngineStopped("the engine shut down before the request finished"))
         self._streams.clear()
+        # A caller may have queued a command after the last one this loop ran: it must not
+        # wait for an answer forever (a server thread blocked there would hold up the exit).
+        with self._accepting:
+            while True:
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    return
+                cmd.future.set_exception(EngineStopped("the engine is shutting down"))
 
     def _execute(self, cmd: _Command) -> None:
         try:

@@ -11,3 +11,8 @@ class EngineError(Exception):
 
 class InvalidRequest(EngineError, ValueError):
     """A request was refused before it entered the engine; the message says which field and why."""
+
+
+class EngineStopped(EngineError):
+    """The engine is shutting down: a new request is refused, one in flight ends with this.
+    Worth a retry on another engine (gRPC UNAVAILABLE, HTTP 503)."""

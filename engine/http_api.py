@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
 from engine.engine_loop import EngineLoop, RequestStream
-from engine.errors import EngineError, InvalidRequest
+from engine.errors import EngineError, EngineStopped, InvalidRequest
 from engine.request import StepOutput
 from engine.sampling import SamplingParams
 from events.prompt import ChatMessage, ChatTemplate, PromptError
@@ -116,7 +116,7 @@ async def _respond(loop: EngineLoop, prompt: str | list[int], params: SamplingPa
     try:
         outs: list[StepOutput] = await run_in_threadpool(list, run)
     except EngineError as exc:
-        raise OpenAIError(500, str(exc), "internal_error") from exc
+        raise _served_error(exc) from exc
     return JSONResponse(shape.whole(outs, run.num_prompt_tokens))
 
 
@@ -137,10 +137,17 @@ async def _stream(loop: EngineLoop, run: RequestStream, shape: _Shape, include_u
                                       last.num_external_cached_tokens)})
         yield SSE_DONE
     except EngineError as exc:
-        yield sse(OpenAIError(500, str(exc), "internal_error").body())
+        yield sse(_served_error(exc).body())
     finally:
         if last is None or not last.finished:  # the client went away: free the engine
             loop.abort(run.request_id)
+
+
+def _served_error(exc: EngineError) -> OpenAIError:
+    """A request the engine took and could not finish: it stopped (503, retry elsewhere) or failed."""
+    if isinstance(exc, EngineStopped):
+        return OpenAIError(503, str(exc), "service_unavailable")
+    return OpenAIError(500, str(exc), "internal_error")
 
 
 class _Shape:

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from kvcache.v1 import generate_pb2
 
 from engine.engine_loop import EngineLoop
-from engine.errors import EngineError, InvalidRequest
+from engine.errors import EngineError, EngineStopped, InvalidRequest
 from engine.sampling import SamplingParams
 from rpc.auth import SyncTokenInterceptor
 
@@ -85,6 +85,8 @@ class GenerateServicer:
                     num_gpu_cached_tokens=out.num_cached_tokens,
                     num_cpu_cached_tokens=out.num_external_cached_tokens,
                 )
+        except EngineStopped as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except EngineError as exc:
             context.abort(grpc.StatusCode.INTERNAL, str(exc))
 
