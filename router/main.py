@@ -98,27 +98,38 @@ def serve(config: RouterConfig) -> int:
     from router.app import create_app
     from router.follower import Follower
     from router.service import Router
+    from rpc.http_server import bind_socket
 
-    follower = Follower(config.bridge_pub, config.bridge_replay, config.topic).start() if config.bridge_pub else None
+    if config.grpc_port > 0:  # a taken gRPC port, found before the HTTP side starts (it binds later)
+        bind_socket(config.host, config.grpc_port).close()
+    sock = bind_socket(config.host, config.port)  # before anything starts: a taken port is one line
+    follower: Follower | None = None
     client = httpx2.AsyncClient(limits=httpx2.Limits(max_connections=1000, max_keepalive_connections=100),
                                 trust_env=False)
     try:
+        if config.bridge_pub:
+            follower = Follower(config.bridge_pub, config.bridge_replay, config.topic).start()
         router = Router(config, client, follower)
-        server = uvicorn.Server(uvicorn.Config(create_app(router), host=config.host, port=config.port,
-                                               log_level="warning", access_log=False, timeout_graceful_shutdown=5))
-        print(f"kv-router: serving on port {config.port} ({len(config.engines)} engines, policy {config.policy})",
-              flush=True)
+        server = uvicorn.Server(uvicorn.Config(create_app(router), log_level="warning", access_log=False,
+                                               timeout_graceful_shutdown=5))
+        print(f"kv-router: serving on port {sock.getsockname()[1]} ({len(config.engines)} engines, "
+              f"policy {config.policy})", flush=True)
         # uvicorn stops gracefully on SIGTERM/SIGINT (in-flight requests finish), then re-raises
         # the signal into the handlers it found: these, so that the process exits 0.
         stopped: list[int] = []
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: stopped.append(signum))
-        server.run()
+        try:
+            server.run(sockets=[sock])
+        except SystemExit:  # uvicorn's exit when the app's startup failed; it logged why
+            print("kv-router: error: could not start (see the log above)", file=sys.stderr)
+            return 1
         if stopped:
             log.info("stopped by %s", signal.Signals(stopped[0]).name)
     finally:
         if follower is not None:
             follower.stop()
+        sock.close()
     return 0
 
 

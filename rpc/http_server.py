@@ -14,18 +14,27 @@ from typing import Any
 import uvicorn
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free one) for uvicorn to serve on; OSError
+    naming the address when it cannot be bound (taken, not this machine's, out of range)."""
+    if not 0 <= port <= 65535:
+        raise OSError(f"port must be in 0..65535, got {port}")
+    bind_host = host.strip("[]") or "::"
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((bind_host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    return sock
+
+
 class ThreadedHttpServer:
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, grace_s: float = 5.0,
                  log_level: str = "warning") -> None:
-        bind_host = host.strip("[]") or "::"
-        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((bind_host, port))
-        except OSError:
-            self._sock.close()
-            raise
+        self._sock = bind_socket(host, port)
         self.port: int = self._sock.getsockname()[1]
         config = uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=int(max(grace_s, 1)))
