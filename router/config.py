@@ -44,6 +44,10 @@ class EngineSpec:
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise RouterConfigError(f"engine {self.name!r}: url must be http(s)://HOST:PORT, got {self.url!r}")
+        try:
+            parts.port  # noqa: B018 - reading it checks it
+        except ValueError as exc:  # out of range or not a number: every request would fail on it
+            raise RouterConfigError(f"engine {self.name!r}: {exc} in {self.url!r}") from None
         if not self.source:
             object.__setattr__(self, "source", self.name)
         object.__setattr__(self, "url", self.url.rstrip("/"))

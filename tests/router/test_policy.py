@@ -127,7 +127,7 @@ def test_config_errors(tmp_path: Path) -> None:
     spec = EngineSpec.parse("e0=http://h:1/,source=engine-0,node=offloadd-b")
     assert (spec.name, spec.url, spec.source, spec.node_source) == ("e0", "http://h:1", "engine-0", "offloadd-b")
     assert EngineSpec.parse("http://h:2").source == "http://h:2"
-    for bad in ("e0=ftp://h", "e0=http://h:1,color=red", "=http://h:1"):
+    for bad in ("e0=ftp://h", "e0=http://h:1,color=red", "=http://h:1", "e0=http://h:99999", "e0=http://h:x"):
         with pytest.raises(RouterConfigError):
             EngineSpec.parse(bad)
     with pytest.raises(RouterConfigError, match="at least one engine"):
