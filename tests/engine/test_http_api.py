@@ -145,7 +145,11 @@ def test_errors_in_openai_shape(client: openai.OpenAI, server: tuple[ThreadedHtt
         client.chat.completions.create(model=MODEL, messages=[], max_tokens=1)
     port = server[0].port
     for path, body in (("/v1/completions", b"{not json"), ("/v1/completions", b"[1]"),
-                       ("/v1/chat/completions", b'{"messages": "hi"}'), ("/v1/nothing", b"{}")):
+                       ("/v1/chat/completions", b'{"messages": "hi"}'), ("/v1/nothing", b"{}"),
+                       ("/v1/completions", b'{"prompt": "x", "temperature": 1e999}'),
+                       ("/v1/completions", b'{"prompt": "x", "stop": [""]}'),
+                       ("/v1/completions", b'{"prompt": "x", "stop_token_ids": [-1]}'),
+                       ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}')):
         status, answer = _raw(port, path, body)
         assert status in (400, 404), (path, body)
         assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["message"]
