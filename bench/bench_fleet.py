@@ -14,7 +14,10 @@ Two real daemons on loopback (two nodes' namespaces on one Redis). Node A holds 
 - **fill**: what an engine on node B sees (DECISIONS 44): B started with ``--fleet-peers``,
   an engine's Lookup of the chain misses locally and daemon B reads it from A and stores it
   before answering (timed: that one Lookup);
+- **fill_block_port**: the same with A's ``--fleet-block-port`` (raw TCP, sendfile from the
+  arena files; the peer named ``...@PORT``);
 - **readblocks**: the ReadBlocks stream from A alone (what the network part costs);
+- **block_port_read**: the same blocks read from A's block port alone;
 - **bare gRPC**: a server streaming the same bytes in messages of one block each;
 - **bare TCP**: one socket sending the same bytes, the reader receiving into one buffer.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import socket
 import statistics
@@ -43,8 +47,9 @@ import grpc
 
 from offloadd.client import BlockToStore, GroupQuery, GroupSpec, OffloadClient
 from offloadd.client.fleet_fetch import fetch_prefix
+from offloadd.fleet.block_reader import read_blocks_raw
 from tests.support.offloadd_proc import DaemonProcess
-from tests.support.redis_proc import RedisProcess
+from tests.support.redis_proc import RedisProcess, free_port
 from tests.support.synthetic_engine import block_bytes, digest
 
 
@@ -63,12 +68,12 @@ def _fill(target: str, group: GroupSpec, n: int) -> list[BlockToStore]:
     return chain
 
 
-def _fill_lookup(work: Path, redis_url: str, namespace: str, a: DaemonProcess, group: GroupSpec,
+def _fill_lookup(work: Path, redis_url: str, namespace: str, peer: str, group: GroupSpec,
                  capacity: int, chain: list[BlockToStore], started: list[DaemonProcess]) -> float:
     """Seconds of one engine Lookup on a fresh node that its daemon fills from node A."""
     c = DaemonProcess(work, redis_url, namespace, capacity_bytes=capacity, extra_args=(
         "--log-level", "WARNING", "--max-request-hashes", "100000", "--fleet-peers",
-        f"a={a.target}/{a.namespace}", "--fleet-timeout-s", "60", "--fleet-refresh-ms", "20"))
+        peer, "--fleet-timeout-s", "60", "--fleet-refresh-ms", "20"))
     c.start()
     started.append(c)
     query = [GroupQuery(0, tuple(b.block_hash for b in chain))]
@@ -145,14 +150,19 @@ def main() -> int:
     size = args.block_kib * 1024
     group = GroupSpec(0, "full_attention", 0, 16, size, "bfloat16", "bench-layout")
     capacity = args.blocks * size * 2
-    times: dict[str, list[float]] = {"fetch": [], "fill": [], "readblocks": [], "bare_grpc": [],
-                                     "bare_tcp": []}
-    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
+    times: dict[str, list[float]] = {"fetch": [], "fill": [], "fill_block_port": [], "readblocks": [],
+                                     "block_port_read": [],
+                                     "bare_grpc": [], "bare_tcp": []}
+    block_port = free_port()
+    # Arenas on tmpfs, as in production (/dev/shm): a disk-backed /tmp adds page-cache writeback.
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-", dir=shm) as tmp:
         work = Path(tmp)
         redis_proc = RedisProcess(work / "redis")
         redis_proc.start()
         a = DaemonProcess(work / "a", redis_proc.url, "node-a", capacity_bytes=capacity,
-                          extra_args=("--log-level", "WARNING", "--max-request-hashes", "100000"))
+                          extra_args=("--log-level", "WARNING", "--max-request-hashes", "100000",
+                                      "--fleet-block-port", str(block_port)))
         a.start()
         nodes_b: list[DaemonProcess] = []
         try:
@@ -164,6 +174,11 @@ def main() -> int:
                     t0 = time.perf_counter()
                     data = peer.read_blocks("reader", 0, [b.block_hash for b in chain])
                     times["readblocks"].append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    raw = read_blocks_raw(("127.0.0.1", block_port), None, 60, "reader", 0,
+                                          [b.block_hash for b in chain], size)
+                    times["block_port_read"].append(time.perf_counter() - t0)
+                    assert [x.data for x in raw] == [x.data for x in data]
                     assert len(data) == args.blocks
                     b = DaemonProcess(work / f"b{r}", redis_proc.url, f"node-b{r}", capacity_bytes=capacity,
                                       extra_args=("--log-level", "WARNING"))
@@ -177,8 +192,11 @@ def main() -> int:
                         arena.close()
                     assert out.fetched == args.blocks, out
                     b.kill()
-                    times["fill"].append(_fill_lookup(work / f"c{r}", redis_proc.url, f"node-c{r}", a,
-                                                      group, capacity, chain, nodes_b))
+                    times["fill"].append(_fill_lookup(work / f"c{r}", redis_proc.url, f"node-c{r}",
+                                                      f"a={a.target}/node-a", group, capacity, chain, nodes_b))
+                    times["fill_block_port"].append(_fill_lookup(
+                        work / f"d{r}", redis_proc.url, f"node-d{r}", f"a={a.target}/node-a@{block_port}",
+                        group, capacity, chain, nodes_b))
                     times["bare_grpc"].append(_bare_grpc(payloads))
                     times["bare_tcp"].append(_bare_tcp(payloads))
         finally:
@@ -197,7 +215,8 @@ def main() -> int:
                                     "seconds": times, "median_mb_per_s": rates,
                                     "fetch_vs_bare_tcp": rates["fetch"] / rates["bare_tcp"],
                                     "fetch_vs_bare_grpc": rates["fetch"] / rates["bare_grpc"],
-                                    "fill_vs_bare_tcp": rates["fill"] / rates["bare_tcp"]},
+                                    "fill_vs_bare_tcp": rates["fill"] / rates["bare_tcp"],
+                                    "fill_block_port_vs_bare_tcp": rates["fill_block_port"] / rates["bare_tcp"]},
                                    indent=1) + "\n")
     print(f"wrote {out_path}")
     return 0

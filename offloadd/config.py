@@ -141,6 +141,9 @@ class OffloaddConfig:
     """Longest wait for one peer call; past it the Lookup answers without the peer's blocks."""
     fleet_refresh_ms: int = 100
     """How often the fleet index catches up with the peers' logs."""
+    fleet_block_port: int = -1
+    """TCP port serving block bytes to peers' daemons with sendfile (plaintext, the
+    auth_token_file token); peers name it as name=host:port/namespace@PORT. -1 = off, 0 = any."""
 
     def __post_init__(self) -> None:
         try:
@@ -186,6 +189,12 @@ class OffloaddConfig:
             raise ConfigError(f"fleet_peers: {exc}") from exc
         if self.fleet_timeout_s <= 0 or self.fleet_refresh_ms <= 0:
             raise ConfigError("fleet_timeout_s and fleet_refresh_ms: must be > 0")
+        if not -1 <= self.fleet_block_port <= 65535:
+            raise ConfigError(f"fleet_block_port: out of range: {self.fleet_block_port}")
+        if self.fleet_ca_file and any(p.block_port for p in parse_peers(self.fleet_peers)):
+            raise ConfigError("fleet_peers: a @block port is plaintext; not with fleet_ca_file")
+        if self.fleet_block_port >= 0 and self.tls_cert_file:
+            raise ConfigError("fleet_block_port: sends plaintext (sendfile); not with TLS")
         if not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"grpc_port: out of range: {self.grpc_port}")
         if not -1 <= self.metrics_port <= 65535:

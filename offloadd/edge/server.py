@@ -26,6 +26,7 @@ from redis.retry import Retry
 from events.state import CacheState
 from offloadd.config import OffloaddConfig
 from offloadd.edge.service import Servicers
+from offloadd.fleet.block_port import BlockPort
 from offloadd.fleet.links import connect_fleet
 from offloadd.log.checkpoint import Checkpointer
 from offloadd.log.ingest import Ingest
@@ -98,6 +99,9 @@ class Daemon:
         self._owner_keeper: asyncio.Task[None] | None = None
         self._checkpoints: asyncio.Task[None] | None = None
         self._fleet_refresh: asyncio.Task[None] | None = None
+        self.block_port = (BlockPort(self.store, token, config.fleet_timeout_s)
+                           if config.fleet_block_port >= 0 else None)
+        self.block_port_bound = -1
         self.checkpointer: Checkpointer | None = None
         self.recovery: RecoveryReport | None = None
 
@@ -148,6 +152,9 @@ class Daemon:
         if cfg.unix_socket:
             self._bind_unix_socket()
         await self.server.start()
+        if self.block_port is not None:
+            self.block_port_bound = await self.block_port.start(cfg.grpc_host, cfg.fleet_block_port)
+            log.info("block port for peers on %s:%d", cfg.grpc_host, self.block_port_bound)
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.create_task(self._sweep_forever())
@@ -226,6 +233,8 @@ class Daemon:
         if self.servicers is not None:
             self.servicers.stop()
         await self.server.stop(self.config.grace_s)
+        if self.block_port is not None:
+            await self.block_port.stop()
         await self._cancel_tasks()
         await self.owner.release()
         self.metrics.close()

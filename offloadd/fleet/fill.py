@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from events.hashing import to_wire
 from offloadd.client.errors import NotRegistered, OffloadClientError
 from offloadd.client.offload_client import OffloadClient
 from offloadd.errors import RequestError
+from offloadd.fleet.block_reader import read_blocks_raw
 from offloadd.fleet.index import FleetIndex
 from offloadd.fleet.peers import Peer
 from offloadd.log.metadata import RedisUnavailable
@@ -57,6 +59,8 @@ class FillStats:
 class PeerLink:
     peer: Peer
     client: OffloadClient
+    token: str | None = None  # for the peer's block port (the client sends it over gRPC)
+    timeout_s: float = 2.0
 
 
 class FleetFill:
@@ -118,6 +122,7 @@ class FleetFill:
             link = self.links.get(name)
             if link is None:
                 continue
+            t0 = time.perf_counter()
             try:
                 data = await asyncio.to_thread(self._read, link, layout, missing[:held])
             except OffloadClientError as exc:
@@ -127,7 +132,11 @@ class FleetFill:
             good = _chained(data, missing, parent, layout.geometry.slot_bytes)
             self.stats.num_rejected += held - len(good)
             if good:
-                return await self._store(engine.engine_id, layout, good, name)
+                t1 = time.perf_counter()
+                n = await self._store(engine.engine_id, layout, good, name)
+                log.info("fleet fill: %d blocks from %s for %s (read %.1f ms, store %.1f ms)", n,
+                         name, engine.engine_id, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+                return n
         return 0
 
     def _read(self, link: PeerLink, layout: Layout, hashes: Sequence[bytes]) -> list[BlockData]:
@@ -153,6 +162,9 @@ class FleetFill:
                     raise
         held = found.results[0].num_prefix
         try:
+            if link.peer.block_port and held:
+                return read_blocks_raw(link.peer.block_address, link.token, link.timeout_s, reader,
+                                       rec.group_idx, hashes[:held], layout.geometry.slot_bytes)
             parts = [hashes[i:i + STREAM_BLOCKS] for i in range(0, held, STREAM_BLOCKS)]
             if len(parts) <= 1:
                 return client.read_blocks(reader, rec.group_idx, hashes[:held]) if held else []
@@ -179,7 +191,6 @@ class FleetFill:
         out = await self.writer.commit(engine_id, res.reservation_id, written)
         self.stats.num_fills += 1
         self.stats.num_blocks += out.num_committed
-        log.info("fleet fill: %d blocks from %s for %s", out.num_committed, peer, engine_id)
         return out.num_committed
 
 

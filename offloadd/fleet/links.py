@@ -29,6 +29,7 @@ def connect_fleet(config: OffloaddConfig, store: HostStore, writer: StoreWriter)
                     socket_connect_timeout=config.redis_timeout_s)
     index = FleetIndex(redis, {p.name: p.namespace for p in peers})
     links = [PeerLink(p, OffloadClient(p.target, config.fleet_timeout_s, RetryPolicy(attempts=1),
-                                       credentials=security.credentials, token=security.token))
+                                       credentials=security.credentials, token=security.token),
+                      security.token, config.fleet_timeout_s)
              for p in peers]
     return FleetFill(store, writer, index, links, config.fleet_node or config.namespace)

@@ -1,4 +1,5 @@
-"""The peers a daemon fetches from: ``name=host:port/namespace[,...]`` (its ``--fleet-peers``)."""
+"""The peers a daemon fetches from: ``name=host:port/namespace[@block port][,...]`` (its
+``--fleet-peers``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from dataclasses import dataclass
 
 from events.logkeys import LogKeys
 
-_PEER = re.compile(r"^(?P<name>[A-Za-z0-9_.-]+)=(?P<target>[^/=,\s]+:\d{1,5})/(?P<ns>[^/=,\s]+)$")
+_PEER = re.compile(r"^(?P<name>[A-Za-z0-9_.-]+)=(?P<target>[^/=,\s]+:\d{1,5})/(?P<ns>[^/=,@\s]+)"
+                   r"(?:@(?P<blocks>\d{1,5}))?$")
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,12 @@ class Peer:
     name: str
     target: str
     namespace: str
+    block_port: int = 0  # its --fleet-block-port (raw block bytes); 0: read over gRPC
+
+    @property
+    def block_address(self) -> tuple[str, int]:
+        host = self.target.rsplit(":", 1)[0].strip("[]")
+        return host, self.block_port
 
 
 def parse_peers(text: str) -> tuple[Peer, ...]:
@@ -29,9 +37,9 @@ def parse_peers(text: str) -> tuple[Peer, ...]:
             continue
         m = _PEER.match(entry)
         if m is None:
-            raise ValueError(f"{entry!r}: expected name=host:port/namespace")
+            raise ValueError(f"{entry!r}: expected name=host:port/namespace[@block port]")
         LogKeys(m["ns"])  # raises ValueError for a namespace the daemon would refuse
         if any(p.name == m["name"] for p in peers):
             raise ValueError(f"{entry!r}: peer {m['name']!r} named twice")
-        peers.append(Peer(m["name"], m["target"], m["ns"]))
+        peers.append(Peer(m["name"], m["target"], m["ns"], int(m["blocks"] or 0)))
     return tuple(peers)

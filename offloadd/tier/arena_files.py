@@ -43,6 +43,13 @@ class ArenaFiles:
             return None
         return self._buf
 
+    def file_of(self, slot: int) -> tuple[int, int]:
+        """(file descriptor, offset) of a slot, for ``sendfile`` (offloadd.fleet.block_port)."""
+        g = self.geometry
+        if not 0 <= slot < len(self._fds) * g.slots_per_chunk:
+            raise IndexError(f"slot {slot} outside the {len(self._fds)} open chunks")
+        return self._fds[g.chunk_of(slot)], g.offset_of(slot)
+
     def write(self, slot: int, data: bytes) -> bool:
         """Write a whole slot (the daemon storing a block fetched from a peer, issue 21);
         False if the file is too short to hold it."""
