@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from offloadd.fleet.fill import FillStats
 from offloadd.log.checkpoint import CheckpointStats
 from offloadd.log.ingest import Ingest
 from offloadd.tier.store import HostStore
@@ -89,6 +90,19 @@ class _CheckpointCollector(Collector):
                        s.num_trimmed)
 
 
+class _FleetCollector(Collector):
+    def __init__(self, stats: FillStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        yield _counter("offloadd_fleet_fills", "Lookup misses filled from a peer's tier", s.num_fills)
+        yield _counter("offloadd_fleet_blocks", "Blocks stored from peers' tiers", s.num_blocks)
+        yield _counter("offloadd_fleet_read_failures", "Reads from peers that failed", s.num_failed)
+        yield _counter("offloadd_fleet_rejected_blocks",
+                       "Peer blocks refused (checksum, size or chain)", s.num_rejected)
+
+
 def _gpu_blocks(store: HostStore) -> int:
     # Scrapes run on the HTTP thread while the event loop mutates the reducer's dicts; a
     # resize mid-iteration raises RuntimeError, and simply reading again is enough.
@@ -127,6 +141,9 @@ class DaemonMetrics:
 
     def watch_checkpoints(self, stats: CheckpointStats) -> None:
         self.registry.register(_CheckpointCollector(stats))
+
+    def watch_fleet(self, stats: FillStats) -> None:
+        self.registry.register(_FleetCollector(stats))
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server in a thread; returns the bound port."""

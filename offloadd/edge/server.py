@@ -86,6 +86,8 @@ class Daemon:
         self.servicers: Servicers | None = None
         self.metrics = DaemonMetrics()
         self.metrics.watch(self.store, self.ingest)
+        if self.fleet is not None:
+            self.metrics.watch_fleet(self.fleet.stats)
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0)],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -40,7 +41,7 @@ def nodes(tmp_path: Path, redis_url: str) -> Iterator[tuple[DaemonProcess, Daemo
     a = DaemonProcess(tmp_path / "a", redis_url, "node-a", capacity_bytes=64 * SLOT)
     a.start()
     b = DaemonProcess(tmp_path / "b", redis_url, "node-b", capacity_bytes=64 * SLOT,
-                      extra_args=_peer_args(a))
+                      extra_args=_peer_args(a), metrics=True)
     b.start()
     yield a, b
     a.kill()
@@ -81,6 +82,8 @@ def test_lookup_on_b_is_served_from_a(nodes: tuple[DaemonProcess, DaemonProcess]
                   if isinstance(e, BlockStored)]
         assert [(e.medium, e.provenance, len(e.block_hashes)) for e in stored] == [("CPU", "fleet:a", CHAIN)]
         assert stored[0].parent_block_hash is None and len(stored[0].token_ids) == CHAIN * GROUP.block_size
+    text = urllib.request.urlopen(f"http://127.0.0.1:{b.metrics_port}/metrics", timeout=5).read().decode()
+    assert "offloadd_fleet_fills_total 1.0" in text and f"offloadd_fleet_blocks_total {CHAIN}.0" in text
     with OffloadClient(a.target) as peer:  # a's own log says nothing of where its blocks came from
         mine = [e for r in peer.subscribe(1) for e in r.events if isinstance(e, BlockStored)]
         assert mine and all(e.provenance is None for e in mine)
@@ -111,11 +114,19 @@ def test_a_peer_that_is_gone_is_a_miss_not_an_error(nodes: tuple[DaemonProcess, 
         assert stats.num_blocks == 0 and all(s.num_reserved == 0 for s in stats.layouts)
 
 
-def test_bad_fleet_peers_is_one_line_at_start(tmp_path: Path, redis_url: str) -> None:
-    d = DaemonProcess(tmp_path / "x", redis_url, "node-x", extra_args=("--fleet-peers", "a=nohost"))
+@pytest.mark.parametrize(("args", "says"), [
+    (("--fleet-peers", "a=nohost"), "name=host:port/namespace"),
+    (("--fleet-peers", "a=h:1/n,a=h:2/m"), "named twice"),
+    (("--fleet-peers", "a=h:1/n@9", "--fleet-ca-file", "/x"), "@block port is plaintext"),
+    (("--fleet-block-port", "70000"), "fleet_block_port: out of range"),
+    (("--fleet-timeout-s", "0"), "fleet_timeout_s"),
+])
+def test_bad_fleet_flags_are_one_line_at_start(tmp_path: Path, redis_url: str, args: tuple[str, ...],
+                                               says: str) -> None:
+    d = DaemonProcess(tmp_path / "x", redis_url, "node-x", extra_args=args)
     out = subprocess.run(d.args, capture_output=True, text=True, timeout=30)
     assert out.returncode != 0
-    assert "fleet_peers" in out.stderr and "name=host:port/namespace" in out.stderr
+    assert says in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
 
 
