@@ -6,6 +6,7 @@ error frame, and the daemon carries on."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -91,3 +92,76 @@ def test_the_block_port_refuses_what_it_should(tmp_path: Path, redis_url: str) -
             grpc.channel_ready_future(ch).result(timeout=5)
     finally:
         a.kill()
+
+
+class _Relay:
+    """A relay in front of a's block port that breaks the answer: ``cut_at`` closes both sides
+    after that many bytes (the peer died mid-transfer), ``flip_at`` inverts that byte (bits
+    flipped on the way)."""
+
+    def __init__(self, upstream: int, cut_at: int = -1, flip_at: int = -1) -> None:
+        self.upstream, self.cut_at, self.flip_at = upstream, cut_at, flip_at
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            with client, socket.create_connection(("127.0.0.1", self.upstream)) as up:
+                client.settimeout(5)
+                up.sendall(client.recv(1 << 20))  # the request (small: one recv)
+                sent = 0
+                while self.cut_at < 0 or sent < self.cut_at:
+                    chunk = up.recv(65536)
+                    if not chunk:
+                        break
+                    if self.cut_at >= 0:
+                        chunk = chunk[: self.cut_at - sent]
+                    if sent <= self.flip_at < sent + len(chunk):
+                        i = self.flip_at - sent
+                        chunk = chunk[:i] + bytes([chunk[i] ^ 0xFF]) + chunk[i + 1:]
+                    client.sendall(chunk)
+                    sent += len(chunk)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.mark.parametrize("fault", ["dies", "flips"])
+def test_a_broken_transfer_is_never_a_wrong_block(tmp_path: Path, redis_url: str, fault: str) -> None:
+    port = free_port()
+    a = DaemonProcess(tmp_path / "a", redis_url, "node-a", capacity_bytes=4 * CHAIN * SLOT,
+                      extra_args=("--fleet-block-port", str(port)))
+    a.start()
+    chain = _chain_on(a)
+    block = 4 + 200 + SLOT  # a header is ~150-200 bytes: block 5's bytes lie past 5 of these
+    relay = _Relay(port, cut_at=10 * block) if fault == "dies" else _Relay(port, flip_at=6 * block)
+    b = DaemonProcess(tmp_path / "b", redis_url, "node-b", capacity_bytes=4 * CHAIN * SLOT,
+                      extra_args=("--fleet-peers", f"a={a.target}/node-a@{relay.port}",
+                                  "--fleet-refresh-ms", "50", "--fleet-timeout-s", "2"))
+    b.start()
+    try:
+        time.sleep(0.5)  # b's index has a's chain
+        with OffloadClient(b.target) as local:
+            arena = local.register_engine("b-eng", 1, "synthetic", [GROUP]).map_arena(0)
+            try:
+                got = local.lookup("b-eng", [GroupQuery(0, tuple(chain))]).results[0].num_prefix
+                served, bad = served_blocks_match(local, "b-eng", arena, chain)
+            finally:
+                arena.close()
+            stats = local.stats()
+        assert bad == [] and served == got
+        if fault == "dies":  # nothing reserved before every byte arrived: all or nothing
+            assert got == 0 and stats.num_blocks == 0
+        else:  # the blocks before the flipped one are kept, the rest refused
+            assert 0 < got < CHAIN and stats.num_blocks == got
+        assert all(s.num_reserved == 0 for s in stats.layouts)
+        assert b.proc is not None and b.proc.poll() is None
+    finally:
+        relay.close()
+        a.kill()
+        b.kill()
