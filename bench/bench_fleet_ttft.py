@@ -39,7 +39,7 @@ from engine.offload.config import OffloadConnectorConfig
 from engine.offload.connector import OffloadingConnector
 from engine.sampling import SamplingParams
 from tests.support.offloadd_proc import DaemonProcess
-from tests.support.redis_proc import RedisProcess
+from tests.support.redis_proc import RedisProcess, free_port
 
 BS = 16
 # The e2e suite's tiny model (tests/e2e/test_cpu_offload.py): ~1000-token prefills of a few
@@ -67,21 +67,26 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out", default="bench/results/fleet_ttft.json")
+    ap.add_argument("--block-port", action="store_true",
+                    help="node B reads A's blocks through A's --fleet-block-port (raw TCP)")
     args = ap.parse_args()
     rng = random.Random(0)
     rows: list[dict[str, float | int | bool]] = []
-    with tempfile.TemporaryDirectory(prefix="bench-fleet-ttft-") as tmp:
+    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None  # arenas on tmpfs, as in production
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-ttft-", dir=shm) as tmp:
         work = Path(tmp)
         model = write_tiny_model(work / "model", SPEC)
         redis_proc = RedisProcess(work / "redis")
         redis_proc.start()
         quiet = ("--log-level", "WARNING")
-        a = DaemonProcess(work / "a", redis_proc.url, "node-a", capacity_bytes=1 << 30,
-                          chunk_bytes=256 << 20, extra_args=quiet)
+        bport = free_port()
+        a = DaemonProcess(work / "a", redis_proc.url, "node-a", capacity_bytes=1 << 30, chunk_bytes=256 << 20,
+                          extra_args=(*quiet, "--fleet-block-port", str(bport)) if args.block_port else quiet)
+        peer = f"a={a.target}/node-a" + (f"@{bport}" if args.block_port else "")
         a.start()
         b = DaemonProcess(work / "b", redis_proc.url, "node-b", capacity_bytes=1 << 30,
                           chunk_bytes=256 << 20, extra_args=(
-                              *quiet, "--fleet-peers", f"a={a.target}/node-a", "--fleet-refresh-ms", "20"))
+                              *quiet, "--fleet-peers", peer, "--fleet-refresh-ms", "20"))
         b.start()
         try:
             llm_a, conn_a = _engine(model, a.target, "engine-a", args.prompt_len)
