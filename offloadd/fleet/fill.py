@@ -13,7 +13,8 @@ A block is taken only when its bytes match their checksum and slot size and it c
 request's own hashes (its parent is the block before it); the first that does not ends the
 prefix. A peer that fails or dies mid-transfer costs this Lookup its remote part (a recompute,
 or the next Lookup retries): nothing is reserved before every byte arrived. Fills run one at a
-time, so a second engine missing the same prefix waits and then finds it local.
+time (a Lookup whose next block no peer holds does not wait for them), so a second engine
+missing the same prefix waits and then finds it local.
 """
 
 from __future__ import annotations
@@ -102,18 +103,28 @@ class FleetFill:
         if engine is None:
             return 0  # the Lookup itself says NotRegistered
         total = 0
-        async with self._lock:
-            for q in queries:
-                if q.prefix_only and q.block_hashes:
-                    try:
-                        total += await self._fill_group(engine, q)
-                    except (RequestError, RedisUnavailable) as exc:
-                        log.warning("fleet fill for %s skipped: %s", engine_id, exc)
+        for q in queries:
+            if q.prefix_only and q.block_hashes:
+                try:
+                    if self._missing_held(engine, q):  # else no lock: misses nobody holds pass
+                        async with self._lock:
+                            total += await self._fill_group(engine, q)
+                except (RequestError, RedisUnavailable) as exc:
+                    log.warning("fleet fill for %s skipped: %s", engine_id, exc)
         return total
+
+    def _local_prefix(self, engine: EngineInfo, q: GroupQuery) -> int:
+        return self.store.lookup(engine.engine_id, [q], False, 0).results[0].num_prefix
+
+    def _missing_held(self, engine: EngineInfo, q: GroupQuery) -> bool:
+        """Whether a peer holds the block after the local prefix (the index, no I/O)."""
+        local = self._local_prefix(engine, q)
+        return local < len(q.block_hashes) and bool(
+            self.index.holders([to_wire(q.block_hashes[local])], q.group_idx))
 
     async def _fill_group(self, engine: EngineInfo, q: GroupQuery) -> int:
         layout = self.store.layout_of(engine, q.group_idx)
-        local = self.store.lookup(engine.engine_id, [q], False, 0).results[0].num_prefix
+        local = self._local_prefix(engine, q)  # again: a fill just before may have stored it
         missing = q.block_hashes[local:]
         if not missing:
             return 0
