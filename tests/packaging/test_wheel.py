@@ -31,6 +31,7 @@ ENGINE_HINT = "pip install 'kvoffload[engine]'"
 TORCH = "torch==2.13.0"  # the CPU build on local disk; a plain "torch" pulls a CUDA build
 # what compose's `sh -c` scripts may run besides our console scripts (all in python:3.11-slim)
 SHELL_TOOLS = {"set", "umask", "test", "find", "chmod"}
+PROBES = {"stack.healthcheck"}  # `python -m` modules compose runs as healthchecks: they return at once
 
 
 @dataclass(frozen=True)
@@ -59,13 +60,25 @@ def _source_files() -> list[str]:
     return [f for f in out.split("\0") if f and (ROOT / f).is_file()]
 
 
+def _dockerfile_lines(prefix: str) -> list[str]:
+    return [ln for ln in (ROOT / "Dockerfile").read_text().splitlines() if ln.startswith(prefix)]
+
+
 def _dockerfile_extras() -> list[str]:
-    lines = [ln for ln in (ROOT / "Dockerfile").read_text().splitlines()
-             if ln.startswith("RUN pip install") and '".[' in ln]
-    assert len(lines) == 1, f"one 'RUN pip install \".[extras]\"' line expected, got {lines}"
-    found = re.search(r'"\.\[([a-z0-9_,-]+)\]"', lines[0])
-    assert found, lines[0]
+    """The extras the image installs: its ``ARG EXTRAS=...`` default."""
+    (line,) = _dockerfile_lines("ARG EXTRAS=")
+    found = re.fullmatch(r"ARG EXTRAS=([a-z0-9_,-]+)", line)
+    assert found, line
     return found.group(1).split(",")
+
+
+def _requirements_command() -> list[str]:
+    """The Dockerfile's command that lists the image's requirements from pyproject.toml
+    (``RUN python -c '...' "$EXTRAS" > requirements.txt``), with its extras filled in."""
+    (line,) = _dockerfile_lines("RUN python -c ")
+    argv = shlex.split(line.removeprefix("RUN "))
+    assert argv[3:] == ["$EXTRAS", ">", "requirements.txt"], argv
+    return [*argv[:3], ",".join(_dockerfile_extras())]
 
 
 @pytest.fixture(scope="module")
@@ -144,16 +157,52 @@ def test_base_install_engine_scripts_work_or_say_what_to_install(venv: Venv, nam
 
 
 @pytest.fixture(scope="module")
-def image_venv(venv: Venv, wheel: Path) -> Venv:
-    """The same venv with what the Dockerfile installs: torch pinned first, then its extras."""
+def image_venv(venv: Venv, wheel: Path, source: Path) -> Venv:
+    """The same venv with what the Dockerfile installs, as it does: torch pinned first, then the
+    requirements its own command lists from pyproject.toml, then the project without
+    dependencies; pip check then says that list left nothing out."""
     venv.pip_install(TORCH)
-    venv.pip_install(f"{wheel}[{','.join(_dockerfile_extras())}]")
+    shutil.copy(source / "pyproject.toml", venv.root / "pyproject.toml")  # where the command runs
+    listed = venv.run(*_requirements_command())
+    (venv.root / "pyproject.toml").unlink()
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    (venv.root / "requirements.txt").write_text(listed.stdout)
+    venv.pip_install("-r", venv.root / "requirements.txt")
+    venv.pip_install("--no-deps", f"{wheel}[{','.join(_dockerfile_extras())}]")
+    check = venv.run("python", "-m", "pip", "check")
+    assert check.returncode == 0, check.stdout[-3000:]
     return venv
 
 
 def test_dockerfile_installs_the_engine_extra() -> None:
     assert "engine" in _dockerfile_extras()
     assert f"RUN pip install --index-url \"$TORCH_INDEX\" {TORCH}" in (ROOT / "Dockerfile").read_text()
+
+
+def test_dockerfile_installs_dependencies_before_copying_the_sources() -> None:
+    """A source change must not install the dependencies again: they are a layer of their own,
+    before any COPY of a package; the project comes after the last, without dependencies."""
+    lines = (ROOT / "Dockerfile").read_text().splitlines()
+    deps = lines.index("RUN pip install -r /tmp/requirements.txt")
+    project = lines.index('RUN pip install --no-deps --no-build-isolation ".[$EXTRAS]" && pip check')
+    copies = [i for i, ln in enumerate(lines) if ln.startswith("COPY ") and "--from=" not in ln]
+    sources = [i for i in copies if not lines[i].startswith("COPY pyproject.toml")]
+    assert deps < min(sources) and max(sources) < project, "dependencies, then the sources, then the project"
+    # the requirements stage sees pyproject.toml alone; the image takes only its list from there
+    assert lines[deps - 1] == "COPY --from=requirements /src/requirements.txt /tmp/requirements.txt"
+    stage = lines[lines.index("FROM ${BASE_IMAGE} AS requirements"):lines.index("FROM ${BASE_IMAGE}")]
+    assert [ln for ln in stage if ln.startswith("COPY")] == ["COPY pyproject.toml ./"]
+
+
+def test_the_dockerfiles_requirements_are_pyprojects(source: Path) -> None:
+    res = subprocess.run([sys.executable, *_requirements_command()[1:]], cwd=source, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    project = PYPROJECT["project"]
+    want = [*PYPROJECT["build-system"]["requires"], *project["dependencies"],
+            *(d for e in _dockerfile_extras() for d in project["optional-dependencies"][e])]
+    assert res.stdout.splitlines() == want
+    assert TORCH in want and any(d.startswith("grpcio==") for d in want)
 
 
 def test_with_the_image_extras_every_script_answers_help(image_venv: Venv) -> None:
@@ -196,6 +245,8 @@ def _check_command(env: Venv, wheel_names: set[str], service: str, argv: list[st
     if exe == "sh":
         assert argv[1] == "-c", f"{service}: {argv}"
         for words in _shell_commands(argv[2]):
+            if words[0] == "exec":  # `exec CMD` runs CMD in the shell's place
+                words = words[1:]
             if words[0] not in SHELL_TOOLS:
                 _check_command(env, wheel_names, service, words)
         return
@@ -204,9 +255,12 @@ def _check_command(env: Venv, wheel_names: set[str], service: str, argv: list[st
         module = argv[2]
         path = module.replace(".", "/")
         assert {f"{path}.py", f"{path}/__main__.py"} & wheel_names, f"{service}: {module} is not in the wheel"
-        # run it for real: nothing listens here, so a probe answers 1 (or 0 if something does)
-        res = env.run(*argv, timeout=60)
-        assert res.returncode in (0, 1) and "Traceback" not in res.stderr, f"{service}: {argv}: {res.stderr}"
+        if module in PROBES:  # run it for real: nothing listens here, so it answers 1 (or 0 if something does)
+            res = env.run(*argv, timeout=60)
+            assert res.returncode in (0, 1) and "Traceback" not in res.stderr, f"{service}: {argv}: {res.stderr}"
+        else:  # a process that runs until stopped (ingest.demo_engine): it imports and answers --help
+            res = env.run(*argv[:3], "--help", timeout=60)
+            assert res.returncode == 0, f"{service}: {module} --help: {res.stderr[-3000:]}"
         return
     assert exe in SCRIPTS, f"{service}: {exe} is not a console script of kvoffload"
     # the subcommand it uses exists: `kv-engine serve --help`
