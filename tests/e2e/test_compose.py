@@ -136,7 +136,15 @@ def test_commands_exist_in_the_project(compose: dict[str, Any]) -> None:
         if "build" not in svc:
             continue
         cmd = svc["command"]
-        assert cmd[0] in scripts or cmd[0] == "sh", f"{name}: {cmd[0]} is not a console script"
+        if cmd[0] == "python":
+            # python -m MODULE: a module of the project (tests/packaging runs it in the image)
+            assert cmd[1] == "-m", f"{name}: {cmd}"
+            path = ROOT / cmd[2].replace(".", "/")
+            assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), (
+                f"{name}: {cmd[2]} is not a module of the project"
+            )
+        else:
+            assert cmd[0] in scripts or cmd[0] == "sh", f"{name}: {cmd[0]} is not a console script"
         health = svc.get("healthcheck", {}).get("test", [])
         if "stack.healthcheck" in health:
             assert (ROOT / "stack" / "healthcheck.py").exists()
