@@ -109,9 +109,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="use offloadd's host tier (store full blocks, load CPU-tier prefixes); needs --offloadd")
     serve.add_argument("--model-namespace", default=None,
                        help="host-tier namespace shared by engines of the same weights (default: model dir name)")
-    serve.add_argument("--shutdown-grace-s", type=float, default=5.0,
-                       help="on SIGTERM/SIGINT, requests in flight get this long to finish before they are "
-                            "cancelled; then queued offload stores and KV event acks are waited for")
+    serve.add_argument("--shutdown-grace-s", type=float, default=5.0, metavar="S",
+                       help="on SIGTERM/SIGINT, requests in flight get this long to finish, then end with an "
+                            "error (gRPC UNAVAILABLE, HTTP 503); queued offload stores and KV event acks "
+                            "are waited for after them (a second signal exits at once)")
     _security_args(serve)
     gen = sub.add_parser("generate", help="generate for one prompt and print the text")
     _engine_args(gen)
