@@ -216,7 +216,8 @@ def memory(admin: Any, keys: LogKeys) -> dict[str, int]:
     }
 
 
-def run_recovery(work: Path, sizes: list[int], cpu_blocks: int) -> list[dict[str, Any]]:
+def run_recovery(work: Path, sizes: list[int], cpu_blocks: int,
+                 profile_dir: str = "") -> list[dict[str, Any]]:
     redis_proc = RedisProcess(work / "redis")
     redis_proc.start()
     keys = LogKeys("default")
@@ -225,6 +226,7 @@ def run_recovery(work: Path, sizes: list[int], cpu_blocks: int) -> list[dict[str
                            capacity_bytes=max(1 << 20, 2 * cpu_blocks * SLOT),
                            extra_args=("--log-level", "INFO", *RETENTION))
     rows = []
+    base_args = list(daemon.args)
     try:
         daemon.start()
         fill_s = fill_cpu_tier(daemon.target, cpu_blocks)
@@ -235,6 +237,10 @@ def run_recovery(work: Path, sizes: list[int], cpu_blocks: int) -> list[dict[str
             state = state_now(daemon, admin, keys)  # and kill -9
             head, write_s = writer.append(state, size - state.offset)
             print(f"history at {head} records ({write_s:.1f} s to write); restarting", file=sys.stderr)
+            if profile_dir:  # py-spy's profile of the restart; the start is slower under it
+                py_spy = str(Path(sys.executable).with_name("py-spy"))
+                daemon.args = [py_spy, "record", "--format", "raw", "--rate", "250", "--duration", "8", "-o",
+                               str(Path(profile_dir) / f"restart_{head}.txt"), "--", *base_args]
             t0 = time.perf_counter()
             daemon.start(timeout_s=120)
             to_serving = time.perf_counter() - t0
@@ -252,6 +258,8 @@ def run_recovery(work: Path, sizes: list[int], cpu_blocks: int) -> list[dict[str
                    **memory(admin, keys)}
             row["memory_goal_bytes"] = 2 * (row["checkpoint_bytes"] + row["log_bytes"])
             rows.append(row)
+            if profile_dir:
+                time.sleep(max(0.0, 9 - (time.perf_counter() - t0)))  # py-spy writes at 8 s
             print(json.dumps(row), file=sys.stderr)
     finally:
         daemon.kill()
@@ -294,6 +302,8 @@ def main() -> int:
     p.add_argument("--skip-cost", action="store_true", help="recovery only")
     p.add_argument("--skip-recovery", action="store_true", help="checkpoint cost only")
     p.add_argument("--out", default="bench/results/recovery.json")
+    p.add_argument("--py-spy-dir", default="",
+                   help="profile each restart with py-spy (raw stacks) into this directory")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the processes it started
     if args.sizes != sorted(args.sizes) or args.sizes[0] <= 0:
@@ -304,7 +314,8 @@ def main() -> int:
                               "retention": " ".join(RETENTION)}
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
         if not args.skip_recovery:
-            result["recovery"] = run_recovery(Path(tmp) / "rec", args.sizes, args.cpu_blocks)
+            result["recovery"] = run_recovery(Path(tmp) / "rec", args.sizes, args.cpu_blocks,
+                                              args.py_spy_dir)
         if not args.skip_cost:
             result["checkpoint_cost"] = run_cost(Path(tmp) / "cost", args.cpu_blocks, args.cost_rounds,
                                                 args.cost_rate, args.cost_scale, args.cost_interval_s)

@@ -14,6 +14,7 @@ before a slot is handed to a writer.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,6 +25,8 @@ class GenerationTable(Protocol):
     """Where each slot's servable generation is published (offloadd.arena.SlotGenerations)."""
 
     def __setitem__(self, slot: int, generation: int) -> None: ...
+
+    def set_many(self, items: Iterable[tuple[int, int]]) -> None: ...
 
 
 class BlockState(enum.Enum):
@@ -108,10 +111,15 @@ class LayoutIndex:
 
     # -- transitions ----------------------------------------------------------------------
 
+    @staticmethod
+    def _servable(entry: SlotEntry) -> int:
+        """The generation to publish for the entry's slot: 0 unless READY and verified."""
+        ok = entry.state is BlockState.READY and entry.verified
+        return entry.generation if ok else 0
+
     def _publish(self, entry: SlotEntry) -> None:
         if self.published is not None:
-            ok = entry.state is BlockState.READY and entry.verified
-            self.published[entry.slot] = entry.generation if ok else 0
+            self.published[entry.slot] = self._servable(entry)
 
     def _retract(self, slot: int) -> None:
         if self.published is not None:
@@ -151,14 +159,22 @@ class LayoutIndex:
         self.entries.update(entries)
         self.num_ready += len(entries)
         self.policy.add_many(list(entries))
-        for entry in entries.values():
-            self._publish(entry)
+        if self.published is not None:  # one write for all, not one per block
+            self.published.set_many((e.slot, self._servable(e)) for e in entries.values())
 
     def mark_verified(self, digest: bytes) -> None:
         """Its bytes matched its checksum: a READY block becomes servable without asking."""
         entry = self.entries[digest]
         entry.verified = True
         self._publish(entry)
+
+    def mark_verified_many(self, digests: list[bytes]) -> None:
+        """:meth:`mark_verified` for many, published with one write of the table."""
+        entries = [self.entries[d] for d in digests]
+        for entry in entries:
+            entry.verified = True
+        if self.published is not None:
+            self.published.set_many((e.slot, self._servable(e)) for e in entries)
 
     def mark_unverified(self, digest: bytes) -> None:
         """Its bytes may be gone: not servable until checked again."""

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 
 from offloadd.arena import (
+    GENERATION_BYTES,
     ArenaGeometry,
     ArenaMapping,
     SlotGenerations,
@@ -62,10 +64,18 @@ def test_index_transitions() -> None:
     assert idx.ready(b"\x00") is not None and idx.ready(b"\x00").checksum == 11
 
 
+class _ListTable(list[int]):
+    """A generation table in a list (the index's side of SlotGenerations)."""
+
+    def set_many(self, items: Iterable[tuple[int, int]]) -> None:
+        for slot, generation in items:
+            self[slot] = generation
+
+
 def test_index_publishes_what_each_slot_serves() -> None:
     """The generation table holds a slot's generation exactly while its block is READY and
     verified; any step towards giving the slot away clears it first."""
-    table = [-1] * 4
+    table = _ListTable([-1] * 4)
     idx = LayoutIndex(LruPolicy(), table)
     idx.grow(4)
     for i, gen in enumerate((101, 102, 103)):
@@ -90,6 +100,34 @@ def test_index_publishes_what_each_slot_serves() -> None:
     assert table[3] == 0
     idx.mark_verified(b"\x03")
     assert table[3] == 104
+    idx.remove(b"\x03")
+    verified = SlotEntry(3, BlockState.READY, None, (1,), b"", None, generation=105)
+    idx.insert_ready({b"\x04": verified})
+    assert table[3] == 105
+    idx.mark_evicting(b"\x04")
+    idx.remove(b"\x04")
+    two = {bytes([5 + i]): SlotEntry(2 + i, BlockState.READY, None, (1,), b"", None,
+                                     generation=106 + i, verified=False) for i in range(2)}
+    idx.insert_ready(two)
+    assert table[2:] == [0, 0]
+    idx.mark_verified_many(list(two))
+    assert table[2:] == [106, 107] and all(e.verified for e in two.values())
+
+
+def test_generation_table_set_many_writes_all_at_once(tmp_path: Path) -> None:
+    path = generations_path(str(tmp_path / "kvd-t-L1-C{chunk}"))
+    daemon = SlotGenerations.create(path, 8, 0o600, None)
+    reader = SlotGenerations(path, 8)
+    daemon.set_many([(1, 7), (6, 9), (1, 8)])
+    assert [reader[i] for i in range(8)] == [0, 8, 0, 0, 0, 0, 9, 0]
+    os.truncate(path, 8 * GENERATION_BYTES - 8)  # another process shortened it: restored
+    reader.close()
+    daemon.set_many([(2, 3)])
+    assert os.path.getsize(path) == 8 * GENERATION_BYTES
+    again = SlotGenerations(path, 8)
+    assert [again[i] for i in range(8)] == [0, 8, 3, 0, 0, 0, 9, 0]
+    again.close()
+    daemon.close()
 
 
 def test_generation_table_is_shared_and_cleared_on_create(tmp_path: Path) -> None:
