@@ -57,6 +57,9 @@ from events.state_gc import GcPolicy
 
 log = logging.getLogger("kvbridge")
 
+CATCH_UP_SLICE_S = 0.002
+"""Idle time goes to the state in slices this long; new records are read between them."""
+
 
 class PublishedStream:
     """One topic with its own contiguous seq; ``source`` None publishes every source."""
@@ -302,8 +305,8 @@ class Bridge:
                                 ready=True)
         elif self._state.pending:
             with self._lock:
-                # Small slices keep a record that arrives meanwhile from waiting long.
-                self._state.catch_up(limit=200)
+                # Short slices: a record that arrives meanwhile waits at most about one.
+                self._state.catch_up(budget_s=CATCH_UP_SLICE_S)
         self._gc.after_chunk()
         self._save(force=False)
 

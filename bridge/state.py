@@ -16,6 +16,7 @@ checkpoint's state is taken); until then the state is not ready (:attr:`is_ready
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from bridge.metrics import BridgeMetrics
@@ -69,13 +70,25 @@ class LazyState:
         if len(pending) > self._max_pending:  # the pending gauge is set once per chunk
             self.apply_entry(pending.popleft())
 
-    def catch_up(self, limit: int | None = None) -> int:
-        """Apply up to ``limit`` queued records (all when None); return how many."""
-        n = len(self._pending) if limit is None else min(limit, len(self._pending))
-        for _ in range(n):
-            self.apply_entry(self._pending.popleft())
-        self._metrics.pending.set(len(self._pending))
-        return n
+    def catch_up(self, limit: int | None = None, budget_s: float | None = None) -> int:
+        """Apply up to ``limit`` queued records (all when None), stopping once ``budget_s``
+        seconds have gone (after at least one); return how many."""
+        pending = self._pending
+        n = len(pending) if limit is None else min(limit, len(pending))
+        done = 0
+        if budget_s is None:
+            for _ in range(n):
+                self.apply_entry(pending.popleft())
+            done = n
+        else:
+            deadline = time.perf_counter() + budget_s
+            while done < n:
+                self.apply_entry(pending.popleft())
+                done += 1
+                if time.perf_counter() >= deadline:
+                    break
+        self._metrics.pending.set(len(pending))
+        return done
 
     def apply_entry(self, entry: RawEntry) -> None:
         """Decode (validating) and apply one stored record; a bad one is counted and skipped."""

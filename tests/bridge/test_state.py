@@ -74,3 +74,18 @@ def test_a_deferred_checkpoint_is_taken_at_its_offset() -> None:
     for r in records[6:]:
         lazy.add((r.offset, encode_record(r)))
     assert lazy.export() == _state(records).export()
+
+
+def test_a_time_budget_ends_a_slice_after_at_least_one_record_in_order() -> None:
+    lazy = LazyState(BridgeMetrics())
+    records = _records(50)
+    for r in records:
+        lazy.add((r.offset, encode_record(r)))
+    assert lazy.catch_up(budget_s=0.0) == 1 and lazy.pending == 49  # a zero budget still moves
+    assert lazy.catch_up(limit=5, budget_s=60.0) == 5 and lazy.pending == 44
+    while lazy.pending:
+        assert lazy.catch_up(budget_s=0.0) == 1
+    want = CacheState()
+    for r in records:
+        want.apply(r)
+    assert lazy.export() == want.export()
