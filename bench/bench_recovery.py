@@ -9,7 +9,7 @@ log has seen each of ``--sizes`` records (cumulative, one Redis), and at each si
 killed with SIGKILL and started again on the same Redis and arena: the time from ``exec`` to
 health SERVING (and the daemon's own recovery time from its ``serving`` log line), Redis
 ``used_memory``, the newest checkpoint's bytes and the retained log's bytes. The daemon runs with
-the default ``checkpoint_records`` (100,000) and ``--retention-records 100000 --retention-s 0``
+the default ``checkpoint_records`` (25,000) and ``--retention-records 100000 --retention-s 0``
 (the default ``retention_s`` keeps a day of records, by design: memory then follows a day's
 traffic, not history).
 
@@ -74,7 +74,7 @@ from tests.support.redis_proc import RedisProcess
 from tests.support.synthetic_engine import GROUP, SLOT, block_bytes, digest
 
 HISTORY = "history-engine"
-CKPT_RECORDS = 100_000  # the daemon's default checkpoint_records
+CKPT_RECORDS = 25_000  # the daemon's default checkpoint_records
 RETENTION = ("--retention-records", "100000", "--retention-s", "0")
 CHAIN = 256  # blocks per Reserve/Commit
 

@@ -119,7 +119,7 @@ class OffloaddConfig:
     checkpoint_interval_s: float = 60.0
     """A checkpoint of the reduced state is written this often when records were appended
     since the last one (offloadd.log.checkpoint); recovery replays only the log after it."""
-    checkpoint_records: int = 100_000
+    checkpoint_records: int = 25_000
     """... and as soon as this many records were appended since the last checkpoint."""
     retention_records: int = 1_000_000
     """Keep at least the newest this many log records (0 = no floor by count)."""
