@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
 from collections.abc import Sequence
-from types import FrameType
 
 import redis
 import zmq
@@ -24,6 +21,7 @@ from bridge.position import PositionStore
 from bridge.publisher import Bridge
 from events.logreader import LogReader
 from rpc.redis_connect import TRANSIENT, connect
+from rpc.signals import stop_on_signals
 
 REDIS_TRANSIENT: tuple[type[BaseException], ...] = (*TRANSIENT, redis.BusyLoadingError)
 
@@ -63,14 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     server.start()
     log.info("metrics and health on port %d", server.port)
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = stop_on_signals(log)
     try:
         bridge.run(stop)
     finally:

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 from collections.abc import Sequence
-from types import FrameType
 
 import zmq
 
@@ -23,6 +21,7 @@ from ingest.follower import Follower
 from ingest.metrics import Health, IngestMetrics, http_app
 from offloadd.client import ClientSecurity
 from rpc.http_server import ThreadedHttpServer
+from rpc.signals import stop_on_signals
 
 log = logging.getLogger("kvingest")
 
@@ -71,14 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     log.info("metrics and health on port %d", server.port)
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = stop_on_signals(log)
     try:
         run(config, stop, metrics, health)
     finally:
