@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from events.schema import BlockStored, LogRecord
+from events.schema import BlockStored, Event, LogRecord
 from events.state import CacheState
 from ingest.vllm_publisher import VllmStylePublisher
 from offloadd.client import OffloadClient
-from tests.support.ingest_proc import IngestProcess
+from tests.support.ingest_proc import IngestProcess, vllm_endpoints
 from tests.support.offloadd_proc import DaemonProcess
 
 BLOCK = 4
@@ -60,6 +62,40 @@ def start_ingest(tmp_path: Path, daemon: DaemonProcess) -> Iterator[Callable[...
     yield start
     for proc in made:
         proc.stop(kill=True)
+
+
+@dataclass
+class Pod:
+    """``pod-a``: a vLLM-style publisher on free loopback ports and the kv-ingest following it."""
+
+    vllm: VllmStylePublisher
+    ingest: IngestProcess
+    spec: str  # kv-ingest's ``--vllm`` spec for it
+    pub: str
+    replay: str | None
+
+
+@pytest.fixture
+def pod_a(
+    publishers: list[VllmStylePublisher], start_ingest: Callable[..., IngestProcess],
+) -> Callable[..., Pod]:
+    """Makes ``pod-a``: ``replay=False`` gives the publisher no replay socket; ``first`` batches are
+    published before kv-ingest starts (it finds them in the ring at first contact); ``extra`` are
+    kv-ingest's flags; other keywords go to :class:`VllmStylePublisher`."""
+
+    def make(*, replay: bool = True, first: Sequence[Sequence[Event]] = (),
+             extra: tuple[str, ...] | None = None, **publisher_kw: Any) -> Pod:
+        pub, replay_ep = vllm_endpoints()
+        replay_at = replay_ep if replay else None
+        vllm = VllmStylePublisher(pub, replay_at, **publisher_kw)
+        publishers.append(vllm)
+        for batch in first:
+            vllm.publish(batch)
+        spec = f"pod-a={pub}" + (f",replay={replay_ep}" if replay else "")
+        ingest = start_ingest(spec) if extra is None else start_ingest(spec, extra=extra)
+        return Pod(vllm, ingest, spec, pub, replay_at)
+
+    return make
 
 
 def records(client: OffloadClient) -> list[LogRecord]:

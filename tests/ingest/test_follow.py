@@ -8,18 +8,15 @@ from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from ingest.sink import MERGE_VALUES
 from ingest.vllm_publisher import VllmStylePublisher
 from offloadd.client import OffloadClient
-from tests.ingest.conftest import records, state_of, stored, view_is, wait_for
+from tests.ingest.conftest import Pod, records, state_of, stored, view_is, wait_for
 from tests.support.ingest_proc import IngestProcess, vllm_endpoints
 
 
 def test_follows_live_batches_and_fills_dropped_ones_from_the_replay_ring(
-    client: OffloadClient, publishers: list[VllmStylePublisher],
-    start_ingest: Callable[..., IngestProcess],
+    client: OffloadClient, pod_a: Callable[..., Pod],
 ) -> None:
-    pub, replay = vllm_endpoints()
-    vllm = VllmStylePublisher(pub, replay)
-    publishers.append(vllm)
-    ingest = start_ingest(f"pod-a={pub},replay={replay}")
+    pod = pod_a()
+    vllm, ingest = pod.vllm, pod.ingest
     vllm.publish([stored(1)])  # before kv-ingest listens: found in the ring at first contact
     wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({1})}), what="first contact")
     vllm.publish([stored(2, parent=1)])
@@ -46,18 +43,16 @@ def _cleared(client: OffloadClient, source: str) -> bool:
 
 
 def test_a_publisher_restart_is_a_new_incarnation(
-    client: OffloadClient, publishers: list[VllmStylePublisher],
-    start_ingest: Callable[..., IngestProcess],
+    client: OffloadClient, publishers: list[VllmStylePublisher], pod_a: Callable[..., Pod],
 ) -> None:
-    pub, replay = vllm_endpoints()
-    vllm = VllmStylePublisher(pub, replay)
-    ingest = start_ingest(f"pod-a={pub},replay={replay}")
+    pod = pod_a()
+    vllm, ingest = pod.vllm, pod.ingest
     vllm.publish([stored(1)])
     vllm.publish([stored(2, parent=1)])
     wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({1, 2})}), what="the first life")
     first_inc = records(client)[-1].incarnation
     vllm.close()  # the engine restarts: its cache and its ring are gone
-    vllm = VllmStylePublisher(pub, replay)
+    vllm = VllmStylePublisher(pod.pub, pod.replay)
     publishers.append(vllm)
     wait_for(view_is(client, {}), what="a quiet restart found by the idle check")
     vllm.publish([stored(5)])  # seq 0 again
@@ -69,14 +64,11 @@ def test_a_publisher_restart_is_a_new_incarnation(
 
 
 def test_a_gap_the_ring_no_longer_holds_resyncs_from_the_ring(
-    client: OffloadClient, publishers: list[VllmStylePublisher],
-    start_ingest: Callable[..., IngestProcess],
+    client: OffloadClient, pod_a: Callable[..., Pod],
 ) -> None:
-    pub, replay = vllm_endpoints()
     # An engine before vLLM 0.33: replies without the topic frame.
-    vllm = VllmStylePublisher(pub, replay, ring_size=4, reply_topic=False)
-    publishers.append(vllm)
-    ingest = start_ingest(f"pod-a={pub},replay={replay}")
+    pod = pod_a(ring_size=4, reply_topic=False)
+    vllm, ingest = pod.vllm, pod.ingest
     vllm.publish([stored(100)])
     wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({100})}), what="the first batch")
     for h in range(1, 11):
@@ -141,17 +133,11 @@ def consecutive_endpoints() -> tuple[list[str], list[str]]:
 
 
 def test_batches_waiting_together_share_records_of_bounded_size(
-    client: OffloadClient, publishers: list[VllmStylePublisher],
-    start_ingest: Callable[..., IngestProcess],
+    client: OffloadClient, pod_a: Callable[..., Pod],
 ) -> None:
-    pub, replay = vllm_endpoints()
-    vllm = VllmStylePublisher(pub, replay)
-    publishers.append(vllm)
     sent = [BlockStored(tuple(range(64 * i + 1, 64 * i + 65)), None, tuple(range(64 * 16)), 16, "GPU")
             for i in range(80)]  # 80 batches of 64 blocks: 1,088 values each, 87,040 in all
-    for event in sent:
-        vllm.publish([event])
-    start_ingest(f"pod-a={pub},replay={replay}")  # finds them all in the ring at first contact
+    pod_a(first=[[event] for event in sent])  # kv-ingest finds them all in the ring at first contact
     wait_for(lambda: sum(len(r.events) for r in records(client)) == 80, what="every batch")
     recs = records(client)
     assert [e for r in recs for e in r.events] == sent

@@ -7,19 +7,16 @@ from collections.abc import Callable
 
 from ingest.vllm_publisher import VllmStylePublisher
 from offloadd.client import OffloadClient
-from tests.ingest.conftest import stored, view_is, wait_for
-from tests.support.ingest_proc import IngestProcess, vllm_endpoints
+from tests.ingest.conftest import Pod, stored, view_is, wait_for
+from tests.support.ingest_proc import IngestProcess
 from tests.support.offloadd_proc import DaemonProcess
 
 
 def test_garbage_is_counted_logged_once_per_kind_and_never_fatal(
-    client: OffloadClient, publishers: list[VllmStylePublisher],
-    start_ingest: Callable[..., IngestProcess],
+    client: OffloadClient, pod_a: Callable[..., Pod],
 ) -> None:
-    pub, replay = vllm_endpoints()
-    vllm = VllmStylePublisher(pub, replay)
-    publishers.append(vllm)
-    ingest = start_ingest(f"pod-a={pub},replay={replay}")
+    pod = pod_a()
+    vllm, ingest = pod.vllm, pod.ingest
     vllm.publish([stored(1)])
     wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({1})}), what="the first batch")
     for _ in range(3):
@@ -43,13 +40,10 @@ def test_garbage_is_counted_logged_once_per_kind_and_never_fatal(
 
 
 def test_graceful_stop_clears_the_sources_it_no_longer_follows(
-    client: OffloadClient, publishers: list[VllmStylePublisher],
-    start_ingest: Callable[..., IngestProcess],
+    client: OffloadClient, pod_a: Callable[..., Pod], start_ingest: Callable[..., IngestProcess],
 ) -> None:
-    pub, replay = vllm_endpoints()
-    vllm = VllmStylePublisher(pub, replay)
-    publishers.append(vllm)
-    ingest = start_ingest(f"pod-a={pub},replay={replay}")
+    pod = pod_a()
+    vllm, ingest = pod.vllm, pod.ingest
     vllm.publish([stored(1), stored(2, medium="CPU")])
     wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({1}), ("pod-a", "CPU", 0): frozenset({2})}),
              what="both tiers")
@@ -59,19 +53,16 @@ def test_graceful_stop_clears_the_sources_it_no_longer_follows(
     # The stream said goodbye: the daemon clears every tier of the source (its own CPU tier too).
     wait_for(view_is(client, {}), what="the source cleared")
     # A new kv-ingest rebuilds the source from the publisher's ring.
-    start_ingest(f"pod-a={pub},replay={replay}")
+    start_ingest(pod.spec)
     wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({1}), ("pod-a", "CPU", 0): frozenset({2})}),
              what="rebuilt from the ring")
 
 
 def test_without_a_replay_socket_a_gap_resyncs_from_what_follows(
-    client: OffloadClient, publishers: list[VllmStylePublisher],
-    start_ingest: Callable[..., IngestProcess],
+    client: OffloadClient, pod_a: Callable[..., Pod],
 ) -> None:
-    pub, _ = vllm_endpoints()
-    vllm = VllmStylePublisher(pub)
-    publishers.append(vllm)
-    ingest = start_ingest(f"pod-a={pub}")
+    pod = pod_a(replay=False)
+    vllm, ingest = pod.vllm, pod.ingest
     wait_for(lambda: ingest.health()[1].get("publishers", {}).get("pod-a") is not None, what="health")
     wait_for(lambda: _published_until_seen(vllm, client), what="the first batch")
     vllm.publish([stored(20)], drop=True)
@@ -87,13 +78,10 @@ def _published_until_seen(vllm: VllmStylePublisher, client: OffloadClient) -> bo
 
 
 def test_offloadd_down_is_unhealthy_and_nothing_is_lost_when_it_is_back(
-    daemon: DaemonProcess, client: OffloadClient, publishers: list[VllmStylePublisher],
-    start_ingest: Callable[..., IngestProcess],
+    daemon: DaemonProcess, client: OffloadClient, pod_a: Callable[..., Pod],
 ) -> None:
-    pub, replay = vllm_endpoints()
-    vllm = VllmStylePublisher(pub, replay)
-    publishers.append(vllm)
-    ingest = start_ingest(f"pod-a={pub},replay={replay}")
+    pod = pod_a()
+    vllm, ingest = pod.vllm, pod.ingest
     vllm.publish([stored(1)])
     wait_for(view_is(client, {("pod-a", "GPU", 0): frozenset({1})}), what="the first batch")
     daemon.kill()
@@ -109,16 +97,14 @@ def test_offloadd_down_is_unhealthy_and_nothing_is_lost_when_it_is_back(
 
 
 def test_a_publisher_gone_past_its_lease_is_cleared_even_without_a_replay_socket(
-    client: OffloadClient, publishers: list[VllmStylePublisher],
-    start_ingest: Callable[..., IngestProcess],
+    client: OffloadClient, publishers: list[VllmStylePublisher], pod_a: Callable[..., Pod],
 ) -> None:
-    pub, _ = vllm_endpoints()
-    vllm = VllmStylePublisher(pub)
-    ingest = start_ingest(f"pod-a={pub}", extra=("--publisher-lease-s", "0.5"))
+    pod = pod_a(replay=False, extra=("--publisher-lease-s", "0.5"))
+    vllm, ingest = pod.vllm, pod.ingest
     wait_for(lambda: _published_until_seen(vllm, client), what="the first batch")
     vllm.close()  # the pod is gone: its GPU cache with it
     wait_for(view_is(client, {}), what="the source cleared after the lease")
     assert ingest.metric("kvingest_resyncs_total", source="pod-a", reason="publisher unreachable") == 1
-    vllm = VllmStylePublisher(pub)  # a new pod on the same address
+    vllm = VllmStylePublisher(pod.pub)  # a new pod on the same address
     publishers.append(vllm)
     wait_for(lambda: _published_until_seen(vllm, client), what="the new life followed")
