@@ -26,7 +26,6 @@ import multiprocessing as mp
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,12 +33,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import redis
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.sub_receiver import receive, subscribe
 from events.codec_vllm import encode_batch
 from events.logkeys import LogKeys
 from events.records import RECORD_FIELD, encode_record, entry_id
@@ -52,10 +51,6 @@ EVENTS_PER_BATCH = 4
 BLOCKS_PER_EVENT = 4
 BLOCK_SIZE = 16
 BLOCK_EVENTS_PER_BATCH = EVENTS_PER_BATCH * BLOCKS_PER_EVENT
-
-
-class _TsOnly(msgspec.Struct, array_like=True):
-    ts: float  # array-like decoding skips the rest of [ts, events, dp_rank] without building it
 
 
 def make_events(i: int) -> tuple[str, tuple[Event, ...]]:
@@ -116,50 +111,28 @@ def log_writer(url: str, n: int, batches_per_s: float | None, chunk: int) -> Non
     client.close()
 
 
-def receive(sub: zmq.Socket[bytes], n: int, idle_s: float = 5.0) -> dict[str, Any]:
-    decoder = msgspec.msgpack.Decoder(_TsOnly)
-    got, first_seq, t_first, t_last = 0, None, 0.0, 0.0
-    lat: list[float] = []
-    expect = None
-    gaps = 0
-    while got < n:
-        if not sub.poll(int(idle_s * 1000)):
-            break
-        frames = sub.recv_multipart()
-        now = time.time()
-        seq = int.from_bytes(frames[1], "big")
-        if expect is not None and seq != expect:
-            gaps += 1
-        expect = seq + 1
-        if first_seq is None:
-            first_seq, t_first = seq, now
-        t_last = now
-        lat.append(now - decoder.decode(frames[2]).ts)
-        got += 1
-    span = max(t_last - t_first, 1e-9)
-    lat_ms = sorted(x * 1000 for x in lat)
+def receive_row(sub: zmq.Socket[bytes], n: int, idle_s: float = 5.0) -> dict[str, Any]:
+    got = receive(sub, idle_s, batches=n)
+    span, n_after_first = max(got.seconds, 1e-9), max(got.batches - 1, 0)
     return {
-        "received": got,
-        "gaps": gaps,
-        "batches_per_s": (got - 1) / span if got > 1 else 0.0,
-        "block_events_per_s": (got - 1) * BLOCK_EVENTS_PER_BATCH / span if got > 1 else 0.0,
-        "p50_ms": statistics.median(lat_ms) if lat_ms else None,
-        "p99_ms": lat_ms[int(0.99 * (len(lat_ms) - 1))] if lat_ms else None,
-        "max_ms": lat_ms[-1] if lat_ms else None,
+        "received": got.batches,
+        "gaps": got.gaps,
+        "batches_per_s": n_after_first / span,
+        "block_events_per_s": n_after_first * BLOCK_EVENTS_PER_BATCH / span,
+        "p50_ms": got.p50_ms,
+        "p99_ms": got.p99_ms,
+        "max_ms": got.max_ms,
     }
 
 
 def run_bare(n: int, batches_per_s: float | None) -> dict[str, Any]:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
-    sub.connect(endpoint)
+    sub = subscribe(ctx, endpoint, b"kv-events")
     proc = mp.get_context("spawn").Process(target=bare_publisher, args=(endpoint, n, batches_per_s))
     proc.start()
     try:
-        return receive(sub, n)
+        return receive_row(sub, n)
     finally:
         proc.join(30)
         ctx.destroy(linger=0)
@@ -195,10 +168,7 @@ def run_bridge(
               else RootedBridge(root, redis_proc.url, workdir / "bridge-before", *args))
     bridge.start()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
-    sub.connect(bridge.pub)
+    sub = subscribe(ctx, bridge.pub, b"kv-events")
     time.sleep(1.0)
     spawn = mp.get_context("spawn")
     assert bridge.proc is not None
@@ -209,10 +179,10 @@ def run_bridge(
             writer.start()
             writer.join(120)
             bridge.proc.send_signal(signal.SIGCONT)
-            return receive(sub, n)
+            return receive_row(sub, n)
         writer = spawn.Process(target=log_writer, args=(redis_proc.url, n, batches_per_s, 500))
         writer.start()
-        result = receive(sub, n)
+        result = receive_row(sub, n)
         writer.join(60)
         return result
     finally:

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_pipeline import block_events, run_pipeline, shape_batches
 
+from bench.sub_receiver import receive, subscribe
 from events.codec_vllm import encode_batch
 from events.schema import BlockStored, Event
 from ingest.vllm_publisher import VllmStylePublisher
@@ -57,34 +58,12 @@ class _Events(msgspec.Struct, array_like=True):
     events: list[dict[str, Any]]
 
 
-class _Stored(msgspec.Struct):
-    type: str
-    block_hashes: list[int] = []
-
-
-class _Hashes(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[_Stored]
-
-
 def receive_blocks(sub: zmq.Socket[bytes], block_events: int, idle_s: float) -> dict[str, Any]:
     """Receive until ``block_events`` stored hashes arrived (kv-ingest merges batches that wait
     together, so the bridge publishes fewer, larger batches); seq checked contiguous."""
-    decoder = msgspec.msgpack.Decoder(_Hashes)
-    got, batches, gaps, expect = 0, 0, 0, None
-    t_first = t_last = 0.0
-    while got < block_events and sub.poll(int(idle_s * 1000)):
-        frames = sub.recv_multipart()
-        seq = int.from_bytes(frames[1], "big")
-        gaps += expect is not None and seq != expect
-        expect = seq + 1
-        t_last = time.time()
-        t_first = t_first or t_last
-        batches += 1
-        got += sum(len(e.block_hashes) for e in decoder.decode(frames[2]).events
-                   if e.type == "BlockStored")
-    return {"received_block_events": got, "received_batches": batches, "gaps": gaps,
-            "seconds": t_last - t_first, "t_last": t_last}
+    got = receive(sub, idle_s, block_events=block_events)
+    return {"received_block_events": got.block_events, "received_batches": got.batches,
+            "gaps": got.gaps, "seconds": got.seconds, "t_last": got.t_last}
 
 
 def publisher_proc(pub: str, replay: str, batches: list[tuple[Event, ...]], ready: Any, go: Any) -> None:
@@ -112,10 +91,7 @@ class Stack:
         self.bridge = BridgeProcess(self.redis.url, work / f"bridge-{tag}", "--log-level", "WARNING")
         self.bridge.start()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.RCVHWM, 0)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(self.bridge.pub)
+        self.sub = subscribe(self.ctx, self.bridge.pub)
         self.work = work
 
     def close(self) -> None:

@@ -28,7 +28,6 @@ import multiprocessing as mp
 import platform
 import queue
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -37,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import msgspec
 import redis
 import zmq
 
@@ -45,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcache.v1 import log_pb2, log_pb2_grpc
 
+from bench.sub_receiver import receive, subscribe
 from events.codec_proto import EventBatch, batch_to_proto
 from events.codec_vllm import encode_batch
 from events.logkeys import LogKeys
@@ -55,10 +54,6 @@ from tests.support.offloadd_proc import DaemonProcess
 from tests.support.redis_proc import RedisProcess, free_port
 
 BLOCK_SIZE = 16
-
-
-class _TsOnly(msgspec.Struct, array_like=True):
-    ts: float
 
 
 def shape_batches(shape: str, scale: float, seed: int = 0) -> list[list[tuple[Event, ...]]]:
@@ -123,29 +118,10 @@ def engine_stream(target: str, engine_id: str, batches: list[tuple[Event, ...]],
     result.put((engine_id, applied, time.perf_counter() - t0))
 
 
-def receive(sub: zmq.Socket[bytes], n: int, idle_s: float) -> dict[str, Any]:
-    decoder = msgspec.msgpack.Decoder(_TsOnly)
-    got, gaps, expect = 0, 0, None
-    t_first = t_last = 0.0
-    lat: list[float] = []
-    while got < n:
-        if not sub.poll(int(idle_s * 1000)):
-            break
-        frames = sub.recv_multipart()
-        now = time.time()
-        seq = int.from_bytes(frames[1], "big")
-        if expect is not None and seq != expect:
-            gaps += 1
-        expect = seq + 1
-        if got == 0:
-            t_first = now
-        t_last = now
-        lat.append((now - decoder.decode(frames[2]).ts) * 1000)
-        got += 1
-    lat.sort()
-    return {"received": got, "gaps": gaps, "seconds": t_last - t_first,
-            "p50_ms": statistics.median(lat) if lat else None,
-            "p99_ms": lat[int(0.99 * (len(lat) - 1))] if lat else None}
+def receive_row(sub: zmq.Socket[bytes], n: int, idle_s: float) -> dict[str, Any]:
+    got = receive(sub, idle_s, batches=n)
+    return {"received": got.batches, "gaps": got.gaps, "seconds": got.seconds,
+            "p50_ms": got.p50_ms, "p99_ms": got.p99_ms}
 
 
 def run_pipeline(work: Path, streams: list[list[tuple[Event, ...]]],
@@ -166,10 +142,7 @@ def run_pipeline(work: Path, streams: list[list[tuple[Event, ...]]],
                            "--log-level", "WARNING")
     bridge.start()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(bridge.pub)
+    sub = subscribe(ctx, bridge.pub)
     time.sleep(1.0)
     spawn = mp.get_context("spawn")
     results: Any = spawn.Queue()
@@ -189,7 +162,7 @@ def run_pipeline(work: Path, streams: list[list[tuple[Event, ...]]],
             ready.get(timeout=120)
         t0 = time.time()
         go.set()
-        got = receive(sub, n, idle_s=20.0)
+        got = receive_row(sub, n, idle_s=20.0)
         wall = time.time() - t0
         for p in procs:
             p.join(60)
@@ -231,14 +204,11 @@ def run_bare(streams: list[list[tuple[Event, ...]]]) -> dict[str, Any]:
     payloads = [encode_batch(b, time.time()) for b in batches]
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
+    sub = subscribe(ctx, endpoint)
     proc = mp.get_context("spawn").Process(target=bare_publisher, args=(endpoint, payloads))
     proc.start()
     try:
-        got = receive(sub, len(batches), idle_s=10.0)
+        got = receive_row(sub, len(batches), idle_s=10.0)
     finally:
         proc.join(60)
         ctx.destroy(linger=0)
