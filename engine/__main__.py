@@ -52,6 +52,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hash-algo", default="sha256_cbor", choices=["sha256_cbor", "xxh3_128_cbor"],
                    help="block-hash function (sha256_cbor is vLLM's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached blocks")
+    p.add_argument("--no-prefix-hold", action="store_true",
+                   help="match a queued request's cached prefix only at its admission (by default its "
+                        "blocks are held from its arrival, so other requests cannot evict them meanwhile)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (by default small steps replay CUDA graphs)")
     p.add_argument("--engine-id", default=None,
@@ -65,7 +68,7 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
         num_gpu_blocks=a.num_gpu_blocks, max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, hash_seed=a.hash_seed,
         hash_algo=a.hash_algo, enable_prefix_caching=not a.no_prefix_caching,
-        engine_id=a.engine_id or default_engine_id(),
+        hold_prefix_on_arrival=not a.no_prefix_hold, engine_id=a.engine_id or default_engine_id(),
         enforce_eager=a.enforce_eager,
     )
     cfg.validate()

@@ -58,6 +58,8 @@ class EngineConfig:
     """Block-hash seed: vLLM's rule by default ($PYTHONHASHSEED, else "vllm-none-hash")."""
     hash_algo: HashAlgo = "sha256_cbor"
     enable_prefix_caching: bool = True
+    hold_prefix_on_arrival: bool = True
+    """Protect a queued request's cached prefix from eviction until its admission (engine.prefix_holds)."""
     engine_id: str = field(default_factory=default_engine_id)
     """This engine's source name in the event log and at offloadd; unique among live engines."""
     seed: int = 0

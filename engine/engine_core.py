@@ -59,7 +59,8 @@ class EngineCore:
         self.kv = KVCacheManager(specs, config.num_gpu_blocks, config.block_size, self.hasher, config.enable_prefix_caching)
         self.connector: OffloadConnector = connector or NullConnector()
         self.connector.register_kv_caches(self.kv_groups)
-        self.scheduler = Scheduler(self.kv, self.connector, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.kv, self.connector, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.hold_prefix_on_arrival)
         slots = layer_slots(specs)
         graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:

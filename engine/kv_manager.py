@@ -67,6 +67,25 @@ class KVCacheManager:
                 return n, digests
         return 0, digests
 
+    def hold_blocks(self, digests: list[bytes], num_hit: int) -> list[list[int]]:
+        """Take a reference on the cached blocks of a ``num_hit``-block prefix hit, in every
+        group those that admission takes (a sliding window's visible ones); per group, for
+        ``release_blocks`` (engine.prefix_holds)."""
+        bs = self.block_size
+        table: list[list[int]] = []
+        for pool in self.pools:
+            first = min(first_visible_block(num_hit * bs, pool.sliding_window, bs), num_hit)
+            cached = pool.hash_to_block
+            ids = [cached[d] for d in digests[first:num_hit]]
+            pool.touch(ids)
+            table.append(ids)
+        return table
+
+    def release_blocks(self, table: list[list[int]]) -> None:
+        """Drop the references ``hold_blocks`` took (tail blocks first, as ``free``)."""
+        for pool, ids in zip(self.pools, table, strict=True):
+            pool.free(list(reversed(ids)))
+
     def allocate_for_admission(
         self, req: Request, digests: list[bytes], num_hit: int, num_external: int, num_new_tokens: int
     ) -> dict[int, list[int]] | None:

@@ -3,6 +3,8 @@
 Each step first serves running requests (decodes and unfinished prefill chunks, oldest first),
 then admits waiting ones while budget, sequence slots and blocks last. A request that cannot get
 blocks preempts the newest running request (its blocks are freed; it recomputes later).
+A queued request's cached prefix is held from its arrival (engine.prefix_holds); holds are
+dropped, newest first, before any request would wait or be preempted for their blocks.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_connector import OffloadConnector
 from engine.kv_manager import KVCacheManager
+from engine.prefix_holds import PrefixHolds
 from engine.request import Request, RequestStatus
 
 
@@ -40,6 +43,7 @@ class Scheduler:
         connector: OffloadConnector,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        hold_prefix: bool = True,
     ) -> None:
         self.kv = kv
         self.connector = connector
@@ -48,9 +52,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.holds = PrefixHolds(kv, hold_prefix)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.holds.hold(req)
 
     @property
     def has_unfinished(self) -> bool:
@@ -64,6 +70,8 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
+                if self.holds.release_newest():
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
@@ -79,6 +87,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             scheduled = self._admit(req, budget)
+            if scheduled is None and self.holds.release_all(keep=req.request_id):
+                scheduled = self._admit(req, budget)
             if scheduled is None:
                 break
             self.waiting.popleft()
@@ -97,6 +107,7 @@ class Scheduler:
         loads = self.kv.allocate_for_admission(req, digests, num_hit, num_ext, num_new)
         if loads is None:
             return None
+        self.holds.release(req.request_id)  # the admission holds its blocks now
         if num_ext:
             self.connector.load(req.request_id, digests[num_hit : num_hit + num_ext], loads)
         if req.num_cached_tokens < 0:
@@ -136,4 +147,5 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+        self.holds.release(req.request_id)
         self.connector.request_finished(req.request_id)
