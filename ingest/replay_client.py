@@ -3,19 +3,19 @@ continuity (ingest.follower's rules)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import zmq
 
+from events.replay_socket import ReplaySocket, ReplyTimeout
 from events.wire_frames import seq_bytes
 from ingest.errors import Garbage
 from ingest.wire import Frame, parse_reply
 
 
 class ReplayClient:
-    """A DEALER speaking REQ's envelope (a REQ socket would accept only the first message of a
-    reply; vLLM's own publisher answers with many)."""
+    """kv-ingest's side of a vLLM publisher's replay socket (events.replay_socket): replies
+    parsed with ingest.wire's tolerance, garbage counted, a timeout an answer of None."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, timeout_s: float,
                  on_garbage: Callable[[Garbage], None]) -> None:
@@ -23,38 +23,32 @@ class ReplayClient:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._on_garbage = on_garbage
-        self._dealer: zmq.Socket[bytes] | None = None
-        self.last_answer = time.monotonic()
+        self._sock: ReplaySocket | None = None  # connected at the first request
 
     def replay_from(self, start: int) -> list[Frame] | None:
         """Every batch the ring holds from ``start``; None when the publisher does not answer
         within ``timeout_s`` (between two messages)."""
-        if self._dealer is None:
-            self._dealer = self._ctx.socket(zmq.DEALER)
-            self._dealer.setsockopt(zmq.LINGER, 0)
-            self._dealer.setsockopt(zmq.RCVHWM, 0)
-            self._dealer.connect(self.endpoint)
-        dealer = self._dealer
-        dealer.send_multipart([b"", seq_bytes(start)])
+        if self._sock is None:
+            self._sock = ReplaySocket(self._ctx, self.endpoint, self.timeout_s)
         out: list[Frame] = []
-        while dealer.poll(int(self.timeout_s * 1000), zmq.POLLIN):
-            try:
-                frame = parse_reply(dealer.recv_multipart())
-            except Garbage as exc:
-                self._on_garbage(exc)
-                continue
-            if frame is None:
-                self.last_answer = time.monotonic()
-                return out
-            out.append(frame)
-        # A late answer would be taken for the next one's: start on a fresh socket.
-        self.close()
+        try:
+            for message in self._sock.answer(seq_bytes(start), per_message=True):
+                try:
+                    frame = parse_reply(message)
+                except Garbage as exc:
+                    self._on_garbage(exc)
+                    continue
+                if frame is None:
+                    return out
+                out.append(frame)
+        except ReplyTimeout:
+            pass
         return None
 
     def close(self) -> None:
-        if self._dealer is not None:
-            self._dealer.close(linger=0)
-            self._dealer = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
 
 def continuity(next_seq: int, anchor: int, anchor_digest: int | None, frames: list[Frame]) -> str:
