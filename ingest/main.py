@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import zmq
 
+from events.replay_socket import connect
 from ingest.config import IngestConfig, config_from_args
 from ingest.errors import IngestConfigError
 from ingest.follower import Follower
@@ -29,6 +30,23 @@ log = logging.getLogger("kvingest")
 def security_of(config: IngestConfig) -> ClientSecurity:
     return ClientSecurity.from_files(ca_file=config.offloadd_ca_file or "",
                                      token_file=config.offloadd_token_file or "")
+
+
+def check_endpoints(config: IngestConfig) -> None:
+    """EndpointError for a publisher endpoint ZMQ refuses (``tcp://host`` without a port), before
+    anything starts: a follower thread would otherwise die on it."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        for spec in config.sources:
+            for endpoint in (spec.pub, spec.replay):
+                if endpoint is not None:
+                    sock = ctx.socket(zmq.DEALER)
+                    try:
+                        connect(sock, endpoint)
+                    finally:
+                        sock.close(linger=0)
+    finally:
+        ctx.term()
 
 
 def run(config: IngestConfig, stop: threading.Event, metrics: IngestMetrics, health: Health) -> None:
@@ -56,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(sys.argv[1:] if argv is None else argv, os.environ)
         security_of(config)  # unreadable CA or token files fail here, before anything starts
+        check_endpoints(config)
     except (IngestConfigError, ValueError, OSError) as exc:
         print(f"kv-ingest: error: {exc}", file=sys.stderr)
         return 2
