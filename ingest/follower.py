@@ -2,8 +2,8 @@
 socket, every batch appended to offloadd's log under the publisher's source.
 
 Continuity. vLLM numbers batches from 0 per publisher life and keeps the last ~10,000 in a ring
-that answers replay requests. The follower remembers a digest of each batch it applied lately;
-before trusting a replay it asks from the last seq it applied (the anchor) and compares:
+that answers replay requests. The follower remembers a digest of each batch it applied lately
+(ingest.life holds the life followed and applies its batches); before trusting a replay it asks from the last seq it applied (the anchor) and compares:
 
 - the anchor comes back the same: the same life; what follows fills the gap;
 - it comes back different, or the publisher has nothing that recent: the publisher restarted;
@@ -30,24 +30,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from typing import Final
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from events.schema import BlockRemoved, BlockStored
 from ingest.config import IngestConfig, VllmSource, source_name
 from ingest.errors import Garbage
+from ingest.life import SourceLife
 from ingest.metrics import Health, IngestMetrics
 from ingest.replay_client import ReplayClient, continuity
-from ingest.sink import SourceSink
-from ingest.wire import Frame, decode, parse_live
+from ingest.wire import Frame, parse_live
 from offloadd.client import ClientSecurity
 
 log = logging.getLogger("kvingest")
 
-RECENT: Final = 20_000  # digests kept: more than vLLM's ring (10,000 batches)
 _POLL_MS: Final = 50
 _DRAIN: Final = 256  # live messages handled per poll
 
@@ -59,16 +56,10 @@ class Follower:
         self.config = config
         self.label = source_name(spec.name, spec.dp_rank)
         self._ctx = ctx
-        self._security = security
         self._metrics = metrics
         self._health = health
         self._topic = spec.topic.encode()
-        self.next_seq: int | None = None  # None: no life followed
-        self.rank: int | None = None
-        self.sink: SourceSink | None = None
-        self._publisher_id = b""  # from 24-byte seq frames only (replies carry none)
-        self._recent: dict[int, int] = {}
-        self._recent_order: deque[int] = deque()
+        self.life = SourceLife(spec.name, self.label, config, security, metrics, self._garbage)
         self._garbage_seen: set[str] = set()
         self._last_live = self._last_contact = time.monotonic()
         self._stop = threading.Event()
@@ -77,10 +68,6 @@ class Follower:
         self._down_since: float | None = None  # the SUB's connection lost, not yet back
         self._replay = (None if spec.replay is None else
                         ReplayClient(ctx, spec.replay, config.replay_timeout_s, self._garbage))
-        m = metrics
-        self._m_batches = m.batches.labels(self.label)
-        self._m_blocks = m.block_events.labels(self.label)
-        self._m_next = m.next_seq.labels(self.label)
 
     # -- loop --------------------------------------------------------------------------------
 
@@ -101,7 +88,7 @@ class Follower:
 
     def _step(self, sub: zmq.Socket[bytes]) -> None:
         self._watch_connection()
-        if self.sink is not None and self.sink.needs_resync.is_set():
+        if self.life.sink is not None and self.life.sink.needs_resync.is_set():
             self.resync("offloadd stream reset")
         if sub.poll(_POLL_MS, zmq.POLLIN):
             for _ in range(_DRAIN):
@@ -113,12 +100,13 @@ class Follower:
         elif time.monotonic() - self._last_live > self.config.idle_sync_s:
             self._idle()
         self._flush()
-        stream = None if self.sink is None else self.sink.stream
+        stream = None if self.life.sink is None else self.life.sink.stream
         if stream is not None:
             self._metrics.pending.labels(self.label).set(stream.num_pending)
         self._health.update(
             self.label,
-            "waiting for the publisher" if self.next_seq is None else f"following, next seq {self.next_seq}",
+            "waiting for the publisher" if self.life.next_seq is None
+            else f"following, next seq {self.life.next_seq}",
             connected=None if stream is None else stream.is_connected)
 
     def _watch_connection(self) -> None:
@@ -134,7 +122,7 @@ class Follower:
                 self._down_since = None
                 self._last_live = 0.0  # the idle check runs at the next quiet poll
         down = self._down_since
-        if (down is not None and self.next_seq is not None
+        if (down is not None and self.life.next_seq is not None
                 and time.monotonic() - down > self.config.publisher_lease_s):
             self._lost_publisher()
 
@@ -142,15 +130,16 @@ class Follower:
         log.warning("%s: publisher unreachable for %.0f s: clearing its source", self.label,
                     self.config.publisher_lease_s)
         self._metrics.resyncs.labels(self.label, "publisher unreachable").inc()
-        self._end_life()
+        self.life.end()
 
     def _shutdown(self) -> None:
         self._flush()
-        if self.sink is not None:
-            if not self.sink.flush(5.0):
+        sink = self.life.sink
+        if sink is not None:
+            if not sink.flush(5.0):
                 log.warning("%s: batches not acked by offloadd before stopping", self.label)
-            self.sink.close()
-            self.sink = None
+            sink.close()
+            self.life.sink = None
         if self._sub is not None and self._monitor is not None:
             self._sub.disable_monitor()
         for sock in (self._monitor, self._sub):
@@ -168,10 +157,11 @@ class Follower:
             self._garbage(exc)
             return
         self._last_live = self._last_contact = time.monotonic()
-        if self._publisher_id and frame.publisher_id and frame.publisher_id != self._publisher_id:
+        life = self.life
+        if life.publisher_id and frame.publisher_id and frame.publisher_id != life.publisher_id:
             self.resync("publisher restarted (new identity)", frame)
             return
-        expected = self.next_seq
+        expected = life.next_seq
         if expected is None:
             if self.spec.replay is not None:
                 self.resync("first contact", frame)
@@ -183,7 +173,7 @@ class Follower:
             self._metrics.gaps.labels(self.label).inc()
             log.info("%s: gap, got seq %d, expected %d", self.label, frame.seq, expected)
             self._fill(frame)
-        elif self._recent.get(frame.seq) == hash(frame.payload):
+        elif life.digest(frame.seq) == hash(frame.payload):
             self._metrics.duplicates.labels(self.label).inc()
         else:
             self.resync("publisher restarted (seq went back)", frame)
@@ -193,24 +183,25 @@ class Follower:
         if self.spec.replay is None:
             self.resync("gap without a replay socket", live, use_ring=False)
             return
-        assert self.next_seq is not None
-        anchor = self.next_seq - 1 if self.next_seq - 1 in self._recent else self.next_seq
+        life = self.life
+        assert life.next_seq is not None
+        anchor = life.anchor()
         frames = self._ask(anchor)
         if frames is None:
             self.resync("replay unreachable", live, use_ring=False)
             return
-        verdict = continuity(self.next_seq, anchor, self._recent.get(anchor), frames)
+        verdict = continuity(life.next_seq, anchor, life.digest(anchor), frames)
         if verdict:
             self.resync(verdict, live)
             return
         for frame in frames:
-            if frame.seq >= self.next_seq:
+            if frame.seq >= life.next_seq:
                 self._apply(frame, replayed=True)
-        if live is not None and live.seq >= self.next_seq:
+        if live is not None and live.seq >= life.next_seq:
             self._apply_after_fill(live)
 
     def _apply_after_fill(self, live: Frame) -> None:
-        if live.seq == self.next_seq:
+        if live.seq == self.life.next_seq:
             self._apply(live)
         else:  # the replay ended before the live batch: nothing can fill that now
             self.resync("gap not filled by the replay", live, use_ring=False)
@@ -219,23 +210,24 @@ class Follower:
         self._last_live = time.monotonic()
         if self.spec.replay is None:
             return
-        if self.next_seq is None:
+        life = self.life
+        if life.next_seq is None:
             frames = self._ask(0)
             if frames:
                 self.resync("first contact")
             return
-        anchor = self.next_seq - 1 if self.next_seq - 1 in self._recent else self.next_seq
+        anchor = life.anchor()
         frames = self._ask(anchor)
         if frames is None:
             if time.monotonic() - self._last_contact > self.config.publisher_lease_s:
                 self._lost_publisher()
             return
         self._last_contact = time.monotonic()
-        verdict = continuity(self.next_seq, anchor, self._recent.get(anchor), frames)
+        verdict = continuity(life.next_seq, anchor, life.digest(anchor), frames)
         if verdict:
             self.resync(verdict)
             return
-        missed = [f for f in frames if f.seq >= self.next_seq]
+        missed = [f for f in frames if f.seq >= life.next_seq]
         if missed:
             self._metrics.gaps.labels(self.label).inc()
             log.info("%s: %d batches missed while quiet, replayed", self.label, len(missed))
@@ -250,7 +242,7 @@ class Follower:
         self._metrics.resyncs.labels(self.label, reason).inc()
         if reason != "first contact":
             log.warning("%s: re-sync (%s): the source is cleared and rebuilt", self.label, reason)
-        self._end_life()
+        self.life.end()
         frames = self._ask(0) if use_ring and self.spec.replay is not None else None
         if frames:
             if frames[0].seq != 0:
@@ -258,71 +250,16 @@ class Follower:
                          self.label, frames[0].seq)
             for frame in frames:
                 self._apply(frame, replayed=True)
-        if live is not None and (self.next_seq is None or live.seq >= self.next_seq):
+        if live is not None and (self.life.next_seq is None or live.seq >= self.life.next_seq):
             self._apply(live)
 
-    def _end_life(self) -> None:
-        if self.sink is not None:
-            self.sink.close()  # goodbye: the daemon clears the source's tiers
-            self.sink = None
-        self.next_seq = None
-        self.rank = None
-        self._publisher_id = b""
-        self._recent.clear()
-        self._recent_order.clear()
-
-    # -- applying ---------------------------------------------------------------------------
+    # -- applying (ingest.life) -------------------------------------------------------------
 
     def _apply(self, frame: Frame, *, replayed: bool = False) -> None:
-        try:
-            batch = decode(frame.payload)
-        except Garbage as exc:
-            self._garbage(exc)
-            # Its events are lost: the source is re-synced from what follows.
-            self._metrics.resyncs.labels(self.label, "undecodable batch").inc()
-            self._end_life()
-            self._advance(frame)
-            return
-        if self.rank is not None and batch.dp_rank != self.rank:
-            log.warning("%s: data_parallel_rank %d after %d: a new publisher", self.label,
-                        batch.dp_rank, self.rank)
-            self._metrics.resyncs.labels(self.label, "data_parallel_rank changed").inc()
-            self._end_life()
-        if self.sink is None:
-            self.rank = batch.dp_rank
-            self.sink = SourceSink(self.config.offloadd, source_name(self.spec.name, batch.dp_rank),
-                                   self._security, self.config.max_pending)
-        if batch.num_skipped:
-            self._metrics.skipped.labels(self.label).inc(batch.num_skipped)
-        if batch.events:
-            blocks = tokens = 0
-            for e in batch.events:
-                if type(e) is BlockStored:
-                    blocks += len(e.block_hashes)
-                    tokens += len(e.token_ids)
-                elif type(e) is BlockRemoved:
-                    blocks += len(e.block_hashes)
-            self.sink.add(batch.events, blocks + tokens, self._stop)
-            self._m_batches.inc()
-            self._m_blocks.inc(blocks)
-        if replayed:
-            self._metrics.replayed.labels(self.label).inc()
-        self._advance(frame)
+        self.life.apply(frame, self._stop, replayed=replayed)
 
     def _flush(self) -> None:
-        """Hand what was applied to offloadd: the batches that waited together go as one."""
-        if self.sink is not None:
-            self.sink.send(self._stop)
-
-    def _advance(self, frame: Frame) -> None:
-        self.next_seq = frame.seq + 1
-        if frame.publisher_id:
-            self._publisher_id = frame.publisher_id
-        self._recent[frame.seq] = hash(frame.payload)
-        self._recent_order.append(frame.seq)
-        if len(self._recent_order) > RECENT:
-            self._recent.pop(self._recent_order.popleft(), None)
-        self._m_next.set(self.next_seq)
+        self.life.flush(self._stop)
 
     def _garbage(self, exc: Garbage) -> None:
         self._metrics.garbage.labels(self.label, exc.kind).inc()
