@@ -1,6 +1,7 @@
 """Recovery after kill -9 with a long history behind it, and what a checkpoint costs the stream.
 
     python bench/bench_recovery.py [--sizes 1000000 5000000 20000000] [--cpu-blocks 100000]
+                                   [--before-tree DIR] [--restarts 1] [--bytecode]
                                    [--skip-cost] [--out bench/results/recovery.json]
 
 **Recovery** (issue "durable core"): a real ``offloadd`` stores ``--cpu-blocks`` CPU-tier blocks
@@ -27,6 +28,15 @@ state before the history with the fence advanced: that is what the checkpoints h
 checkpoint is written ``checkpoint_records - 1`` records before the head: the worst case, a
 checkpoint was due when the daemon died, so recovery replays the longest tail it can meet.
 
+SERVING is probed every 50 ms on a channel that reconnects within 20 ms (gRPC's default waits
+1 s, then 1.6 s, after a refused connection, which once made a restart look ~1 s slower). With
+``--before-tree DIR`` (a checkout of another commit, e.g. ``git archive``), each size is
+restarted ``--restarts`` times with that tree's daemon and this one's, alternating, on the same
+Redis and arena (the measured restarts write no checkpoint, so each replays the same tail).
+``--bytecode`` lets the daemons cache compiled bytecode (in a temporary directory), as an
+installed package has it; without it, a tree run with PYTHONDONTWRITEBYTECODE compiles every
+module of its own at each start.
+
 **Checkpoint cost**: the whole event path (bench_pipeline's shape c, paced 50k block events/s
 unless ``--cost-rate`` says otherwise, engine send -> subscriber receive) on a daemon holding ``--cpu-blocks`` CPU-tier blocks, once with
 a checkpoint every ``--cost-interval-s`` (default 2 s: several during the run, each of the
@@ -38,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import signal
 import statistics
@@ -216,8 +227,58 @@ def memory(admin: Any, keys: LogKeys) -> dict[str, int]:
     }
 
 
-def run_recovery(work: Path, sizes: list[int], cpu_blocks: int,
-                 profile_dir: str = "") -> list[dict[str, Any]]:
+def restart_once(daemon: DaemonProcess, admin: Any, keys: LogKeys, head: int,
+                 profile_dir: str = "") -> dict[str, Any]:
+    """Start the (killed) daemon; its row: times, tail, resident blocks, memory."""
+    args = list(daemon.args)
+    if profile_dir:  # py-spy's profile of the restart; the start is slower under it
+        py_spy = str(Path(sys.executable).with_name("py-spy"))
+        daemon.args = [py_spy, "record", "--format", "raw", "--rate", "250", "--duration", "8", "-o",
+                       str(Path(profile_dir) / f"restart_{head}_{int(time.time())}.txt"), "--", *args]
+    t0 = time.perf_counter()
+    try:
+        daemon.start(timeout_s=120)
+    finally:
+        daemon.args = args
+    to_serving = time.perf_counter() - t0
+    cpu_s = process_cpu_s(daemon.proc.pid) if daemon.proc and not profile_dir else None
+    report = recovery_seconds(daemon)
+    with OffloadClient(daemon.target) as client:
+        resident = client.stats()
+    row = {"history_records": head,
+           "exec_to_serving_s": round(to_serving, 3),
+           "cpu_to_serving_s": cpu_s,
+           "recovery_s": report.get("seconds"),
+           "load_and_replay_s": report.get("load_and_replay_seconds"),
+           "tail_records": report.get("num_records"),
+           "checkpoint_offset": report.get("checkpoint_offset"),
+           "cpu_blocks": report.get("num_blocks"),
+           "stats_blocks": getattr(resident, "num_blocks", None),
+           **memory(admin, keys)}
+    row["memory_goal_bytes"] = 2 * (row["checkpoint_bytes"] + row["log_bytes"])
+    if profile_dir:
+        time.sleep(max(0.0, 9 - (time.perf_counter() - t0)))  # py-spy writes at 8 s
+    return row
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) ``pid`` has used: on a shared machine, the
+    measure of a start that its load inflates least."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 3)
+
+
+def in_tree(args: list[str], tree: str) -> list[str]:
+    """``args`` (``python -m offloadd ...``) run with ``tree`` as the working directory, so
+    ``-m`` imports that tree's packages."""
+    return ["/bin/sh", "-c", 'cd "$0" && exec "$@"', tree, *args]
+
+
+def run_recovery(work: Path, sizes: list[int], cpu_blocks: int, profile_dir: str = "",
+                 before_tree: str = "", restarts: int = 1) -> list[dict[str, Any]]:
     redis_proc = RedisProcess(work / "redis")
     redis_proc.start()
     keys = LogKeys("default")
@@ -225,8 +286,12 @@ def run_recovery(work: Path, sizes: list[int], cpu_blocks: int,
     daemon = DaemonProcess(work / "offloadd", redis_proc.url, "default",
                            capacity_bytes=max(1 << 20, 2 * cpu_blocks * SLOT),
                            extra_args=("--log-level", "INFO", *RETENTION))
-    rows = []
+    rows: list[dict[str, Any]] = []
     base_args = list(daemon.args)
+    # The measured restarts write no checkpoint of their own, so every restart at a size
+    # replays the same tail (the history's newest checkpoint is one record short of due).
+    measured = [*base_args, "--checkpoint-records", str(10**9)]
+    trees = [("before", in_tree(measured, before_tree)), ("after", measured)] if before_tree else [("", measured)]
     try:
         daemon.start()
         fill_s = fill_cpu_tier(daemon.target, cpu_blocks)
@@ -237,30 +302,15 @@ def run_recovery(work: Path, sizes: list[int], cpu_blocks: int,
             state = state_now(daemon, admin, keys)  # and kill -9
             head, write_s = writer.append(state, size - state.offset)
             print(f"history at {head} records ({write_s:.1f} s to write); restarting", file=sys.stderr)
-            if profile_dir:  # py-spy's profile of the restart; the start is slower under it
-                py_spy = str(Path(sys.executable).with_name("py-spy"))
-                daemon.args = [py_spy, "record", "--format", "raw", "--rate", "250", "--duration", "8", "-o",
-                               str(Path(profile_dir) / f"restart_{head}.txt"), "--", *base_args]
-            t0 = time.perf_counter()
-            daemon.start(timeout_s=120)
-            to_serving = time.perf_counter() - t0
-            report = recovery_seconds(daemon)
-            with OffloadClient(daemon.target) as client:
-                resident = client.stats()
-            row = {"history_records": head, "write_s": round(write_s, 1),
-                   "exec_to_serving_s": round(to_serving, 3),
-                   "recovery_s": report.get("seconds"),
-                   "load_and_replay_s": report.get("load_and_replay_seconds"),
-                   "tail_records": report.get("num_records"),
-                   "checkpoint_offset": report.get("checkpoint_offset"),
-                   "cpu_blocks": report.get("num_blocks"),
-                   "stats_blocks": getattr(resident, "num_blocks", None),
-                   **memory(admin, keys)}
-            row["memory_goal_bytes"] = 2 * (row["checkpoint_bytes"] + row["log_bytes"])
-            rows.append(row)
-            if profile_dir:
-                time.sleep(max(0.0, 9 - (time.perf_counter() - t0)))  # py-spy writes at 8 s
-            print(json.dumps(row), file=sys.stderr)
+            for _ in range(restarts):
+                for name, args in trees:
+                    daemon.kill()
+                    daemon.args = args
+                    row = {"tree": name, "write_s": round(write_s, 1),
+                           **restart_once(daemon, admin, keys, head, profile_dir)}
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr)
+            daemon.args = base_args
     finally:
         daemon.kill()
         admin.close()
@@ -302,28 +352,40 @@ def main() -> int:
     p.add_argument("--skip-cost", action="store_true", help="recovery only")
     p.add_argument("--skip-recovery", action="store_true", help="checkpoint cost only")
     p.add_argument("--out", default="bench/results/recovery.json")
+    p.add_argument("--before-tree", default="",
+                   help="also restart with the daemon of this source tree, alternating (before/after)")
+    p.add_argument("--restarts", type=int, default=1, help="restarts per size (per tree)")
+    p.add_argument("--bytecode", action="store_true",
+                   help="let the daemons cache compiled bytecode, as an installed package has it")
     p.add_argument("--py-spy-dir", default="",
                    help="profile each restart with py-spy (raw stacks) into this directory")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the processes it started
     if args.sizes != sorted(args.sizes) or args.sizes[0] <= 0:
         p.error("--sizes must be positive and ascending")
-    result: dict[str, Any] = {"machine": {"cpus": __import__("os").cpu_count(),
+    result: dict[str, Any] = {"machine": {"cpus": os.cpu_count(),
                                           "python": platform.python_version()},
                               "cpu_blocks": args.cpu_blocks, "checkpoint_records": CKPT_RECORDS,
                               "retention": " ".join(RETENTION)}
+    if args.restarts < 1:
+        p.error("--restarts must be >= 1")
+    result["before_tree"] = args.before_tree
+    result["bytecode"] = args.bytecode
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
+        if args.bytecode:  # inherited by the daemons this process starts
+            os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+            os.environ["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
         if not args.skip_recovery:
             result["recovery"] = run_recovery(Path(tmp) / "rec", args.sizes, args.cpu_blocks,
-                                              args.py_spy_dir)
+                                              args.py_spy_dir, args.before_tree, args.restarts)
         if not args.skip_cost:
             result["checkpoint_cost"] = run_cost(Path(tmp) / "cost", args.cpu_blocks, args.cost_rounds,
                                                 args.cost_rate, args.cost_scale, args.cost_interval_s)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for row in result.get("recovery", []):
-        print(f"{row['history_records']:>10} records: SERVING {row['exec_to_serving_s']:.2f} s after "
-              f"exec (recovery {row['recovery_s']:.2f} s, tail {row['tail_records']}), used_memory "
+        print(f"{row['tree']:>6} {row['history_records']:>10} records: SERVING {row['exec_to_serving_s']:.2f} s after "
+              f"exec ({row['cpu_to_serving_s']} s of CPU; recovery {row['recovery_s']:.2f} s, tail {row['tail_records']}), used_memory "
               f"{row['used_memory'] / 2**20:.1f} MiB (goal {row['memory_goal_bytes'] / 2**20:.1f} MiB)")
     if "checkpoint_cost" in result:
         c = result["checkpoint_cost"]

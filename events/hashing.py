@@ -13,7 +13,9 @@ reads the environment as vLLM's ``init_none_hash`` does, everything else takes i
 Hashing a 4096-token prompt is on every request's path, so the common case (token ids that
 are non-negative integers below 2**64, bytes parent, no extra keys) encodes every id's
 canonical CBOR at once with numpy and slices it per block; anything else goes through cbor2. Both give
-the same bytes (tests/events/test_hashing.py checks one against the other).
+the same bytes (tests/events/test_hashing.py checks one against the other). numpy is imported on
+the first such encoding, not with this module: the daemon and the bridge use only
+:func:`to_wire` and the algorithm names, and numpy's import was ~0.1 s of the daemon's start.
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ import hashlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import cbor2
-import numpy as np
 import xxhash
 
 from events.extra_keys import RequestKeys
 from events.schema import BlockDigest, BlockHash
+
+if TYPE_CHECKING:
+    import numpy as np
 
 HashAlgo = Literal["sha256_cbor", "xxh3_128_cbor"]
 HASH_ALGOS: Final[tuple[HashAlgo, ...]] = ("sha256_cbor", "xxh3_128_cbor")
@@ -61,12 +65,19 @@ _DIGESTS: Final[dict[HashAlgo, Callable[[bytes], BlockDigest]]] = {
     "xxh3_128_cbor": _xxh3_128,
 }
 
-_ARG_BOUNDS: Final = np.array([24, 1 << 8, 1 << 16, 1 << 32], dtype=np.uint64)
-"""An id's width class is how many of these it reaches: 0 (in the head), 1, 2, 4 or 8 bytes."""
-_HEAD_BYTE: Final = np.array([0, 0x18, 0x19, 0x1A, 0x1B], dtype=np.uint8)
-_CODE_SIZE: Final = np.array([1, 2, 3, 5, 9], dtype=np.int64)
-_KEEP: Final = np.array([[c == 0 or c >= 9 - n for c in range(9)] for n in (0, 1, 2, 4, 8)])
-"""Per width class, the bytes of [head, 8-byte big-endian id] that its canonical CBOR keeps."""
+@functools.cache
+def _cbor_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(arg bounds, head byte, code size, keep): an id's width class is how many of the bounds
+    it reaches: 0 (in the head), 1, 2, 4 or 8 bytes; per width class, its CBOR head byte, its
+    encoded size and which bytes of [head, 8-byte big-endian id] its canonical CBOR keeps."""
+    import numpy as np
+
+    return (
+        np.array([24, 1 << 8, 1 << 16, 1 << 32], dtype=np.uint64),
+        np.array([0, 0x18, 0x19, 0x1A, 0x1B], dtype=np.uint8),
+        np.array([1, 2, 3, 5, 9], dtype=np.int64),
+        np.array([[c == 0 or c >= 9 - n for c in range(9)] for n in (0, 1, 2, 4, 8)]),
+    )
 
 
 def canonical_cbor(value: Any) -> bytes:
@@ -87,6 +98,9 @@ def _encode_ids(token_ids: Sequence[int] | np.ndarray) -> tuple[bytes, np.ndarra
     """The canonical CBOR of every id, concatenated, and each id's encoded size; None when
     some id is not an integer in [0, 2**64) (the caller then takes the general cbor2 path,
     which decides what such an id means). Vectorized: a 4096-token prompt in ~0.1 ms."""
+    import numpy as np
+
+    arg_bounds, head_byte, code_size, keep = _cbor_tables()
     ids = token_ids if isinstance(token_ids, np.ndarray) else np.array(token_ids)
     n = len(ids)
     if n == 0:
@@ -94,11 +108,11 @@ def _encode_ids(token_ids: Sequence[int] | np.ndarray) -> tuple[bytes, np.ndarra
     if ids.ndim != 1 or ids.dtype.kind not in "iu" or (ids.dtype.kind == "i" and ids.min() < 0):
         return None  # floats, strings, bools only, negatives, bignums (object arrays)
     v = ids.astype(np.uint64, copy=False)
-    width = np.searchsorted(_ARG_BOUNDS, v, side="right")
+    width = np.searchsorted(arg_bounds, v, side="right")
     rows = np.empty((n, 9), dtype=np.uint8)
     rows[:, 1:] = v.astype(">u8").view(np.uint8).reshape(n, 8)
-    rows[:, 0] = np.where(width == 0, v.astype(np.uint8), _HEAD_BYTE[width])
-    return rows[_KEEP[width]].tobytes(), _CODE_SIZE[width]
+    rows[:, 0] = np.where(width == 0, v.astype(np.uint8), head_byte[width])
+    return rows[keep[width]].tobytes(), code_size[width]
 
 
 # Digests in: ``BlockDigest | bytes`` until the engine and offloadd hold typed digests (their

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from offloadd.fleet.fill import FillStats
 from offloadd.log.checkpoint import CheckpointStats
 from offloadd.log.ingest import Ingest
 from offloadd.tier.store import HostStore
+
+if TYPE_CHECKING:  # the fleet (and its client) is imported only when peers are configured
+    from offloadd.fleet.fill import FillStats
 
 _LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5,

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -29,7 +29,6 @@ from offloadd.errors import (
     RequestError,
     ResourceExhausted,
 )
-from offloadd.fleet.fill import FleetFill
 from offloadd.log.ingest import Ack, Ingest
 from offloadd.log.liveness import Liveness
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
@@ -38,6 +37,9 @@ from offloadd.tier.registration import Registrar
 from offloadd.tier.source import DAEMON_SOURCE
 from offloadd.tier.store import HostStore
 from offloadd.tier.writes import StoreWriter
+
+if TYPE_CHECKING:  # imported only when peers are configured (offloadd.edge.server)
+    from offloadd.fleet.fill import FleetFill
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -35,7 +36,7 @@ from redis.exceptions import RedisError
 from events.schema import AllBlocksCleared, BlockRemoved, Event
 from offloadd.log.checkpoint_load import restore
 from offloadd.log.metadata import Append, Persisted, RedisUnavailable
-from offloadd.log.projection import Pipe
+from offloadd.log.projection import Pipe, ProjectedBlock
 from offloadd.tier.index import BlockState, SlotEntry
 from offloadd.tier.source import DAEMON_SOURCE
 from offloadd.tier.store import HostStore
@@ -205,26 +206,12 @@ async def _restore_blocks(store: HostStore, persisted: Persisted) -> int:
     bad: dict[int, list[bytes]] = {}  # layout -> digests in the projection to delete
     for layout in store.all_layouts():
         group = layout.record.group_idx
-        expected = announced.get(group, set())
-        ok_here = served.setdefault(group, set())
-        num_slots = layout.index.num_slots
-        restored: dict[bytes, SlotEntry] = {}
-        layout_id = layout.layout_id
-        used: set[int] = set()  # two rows claiming one slot: serve neither
-        for digest, pb in persisted.blocks.get(layout_id, {}).items():
-            wire = int.from_bytes(digest[-8:], "big")  # events.hashing.to_wire, inlined
-            slot = pb.slot
-            if wire not in expected or slot in used or not 0 <= slot < num_slots:
-                bad.setdefault(layout_id, []).append(digest)
-                continue
-            # Bytes are checked after serving starts (Integrity.verify_restored), and before
-            # any Lookup or ReadBlocks returns the block: unverified blocks are never served.
-            restored[digest] = SlotEntry(
-                slot, BlockState.READY, pb.parent, pb.token_ids, pb.extra_keys, pb.lora_name,
-                "", pb.checksum, 0, False, store.source.next_generation(),
-            )
-            ok_here.add(wire)
-            used.add(slot)
+        rows = persisted.blocks.get(layout.layout_id, {})
+        restored, wires, refused = _slot_entries(
+            rows, announced.get(group, set()), layout.index.num_slots, store.source.next_generation)
+        served.setdefault(group, set()).update(wires)
+        if refused:
+            bad[layout.layout_id] = refused
         store.restore(layout, restored)
     events: list[Event] = []
     for group, hashes in sorted(announced.items()):
@@ -237,6 +224,54 @@ async def _restore_blocks(store: HostStore, persisted: Persisted) -> int:
     if dropped:
         log.error("dropped %d blocks that failed verification", dropped)
     return dropped
+
+
+def _slot_entries(
+    rows: dict[bytes, ProjectedBlock], expected: set[int], num_slots: int,
+    next_generation: Callable[[], int],
+) -> tuple[dict[bytes, SlotEntry], set[int], list[bytes]]:
+    """The entries to restore from one layout's projection rows (READY, unverified: bytes are
+    checked after serving starts, Integrity.verify_restored, and before any Lookup or
+    ReadBlocks returns the block), their wire hashes, and the rows refused: a block the log does
+    not hold, a slot out of range, a slot an earlier row already claims. Checked for all rows at
+    once; only a layout with a refused row is walked row by row."""
+    wires = [int.from_bytes(digest[-8:], "big") for digest in rows]  # events.hashing.to_wire
+    slots = [pb.slot for pb in rows.values()]
+    is_clean = (not slots or (min(slots) >= 0 and max(slots) < num_slots)) and (
+        len(set(slots)) == len(slots) and expected.issuperset(wires))
+    if not is_clean:  # rare (a crash between the log and the projection): row by row
+        return _slot_entries_checked(rows, expected, num_slots, next_generation)
+    ready = BlockState.READY
+    entries = {
+        digest: SlotEntry(pb.slot, ready, pb.parent, pb.token_ids, pb.extra_keys, pb.lora_name,
+                          "", pb.checksum, 0, False, next_generation())
+        for digest, pb in rows.items()
+    }
+    return entries, set(wires), []
+
+
+def _slot_entries_checked(
+    rows: dict[bytes, ProjectedBlock], expected: set[int], num_slots: int,
+    next_generation: Callable[[], int],
+) -> tuple[dict[bytes, SlotEntry], set[int], list[bytes]]:
+    """:func:`_slot_entries`, one row at a time."""
+    entries: dict[bytes, SlotEntry] = {}
+    wires: set[int] = set()
+    refused: list[bytes] = []
+    used: set[int] = set()
+    for digest, pb in rows.items():
+        wire = int.from_bytes(digest[-8:], "big")
+        slot = pb.slot
+        if wire not in expected or slot in used or not 0 <= slot < num_slots:
+            refused.append(digest)
+            continue
+        entries[digest] = SlotEntry(
+            slot, BlockState.READY, pb.parent, pb.token_ids, pb.extra_keys, pb.lora_name,
+            "", pb.checksum, 0, False, next_generation(),
+        )
+        wires.add(wire)
+        used.add(slot)
+    return entries, wires, refused
 
 
 async def _log_drops(store: HostStore, events: list[Event], bad: dict[int, list[bytes]]) -> None:

@@ -1,0 +1,29 @@
+"""What the daemon imports before it serves: numpy and the fleet's fill stay out of a lone
+daemon's start (together ~0.2 s of CPU before SERVING; bench/bench_recovery.py measures it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.support.child_process import REPO
+
+_PROBE = (
+    "import sys, offloadd.__main__, offloadd.edge.server; "
+    "print(sorted(m for m in ('numpy', 'offloadd.fleet.fill', 'offloadd.fleet.links') "
+    "if m in sys.modules))"
+)
+
+
+def test_a_lone_daemon_imports_no_numpy_and_no_fleet_fill() -> None:
+    out = subprocess.run([sys.executable, "-c", _PROBE], cwd=REPO, capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert out.strip() == "[]"
+
+
+def test_block_hashing_still_imports_numpy_when_used() -> None:
+    probe = ("import sys; from events.hashing import BlockHasher; "
+             "h = BlockHasher(seed='s'); n = len(h.hash_blocks(list(range(32)), bytes(32))); print('numpy' in sys.modules, n)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert out.split() == ["True", "2"]
