@@ -242,23 +242,17 @@ class Daemon:
         """Stop serving: engines are not departing (no clears), the long-lived streams (Publish,
         follow-Subscribe) answer their current message and return, then unary calls in flight
         get ``grace_s``."""
-        log.info("DBGSTOP 0")
         self.liveness.stop()
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.servicers is not None:
             self.servicers.stop()
-        log.info("DBGSTOP 5")
         await self.server.stop(self.config.grace_s)
         if self.block_port is not None:
             await self.block_port.stop()
-        log.info("DBGSTOP 8")
         await self._cancel_tasks()
-        log.info("DBGSTOP 9")
         await self.owner.release()
-        log.info("DBGSTOP 10")
         self.metrics.close()
-        log.info("DBGSTOP 11")
         await self.redis.aclose()
         if self.fleet is not None:
             self.fleet.close()
