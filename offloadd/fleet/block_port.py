@@ -2,26 +2,25 @@
 
 ReadBlocks over gRPC tops out well below a bare socket (docs/BENCHMARKS.md, cross-node), so a
 daemon may also serve the same read on a plain TCP port, its slots sent straight from the
-arena files with ``sendfile`` (no copy through Python). One request per connection:
-
-    request:  b"KVB1", u32 token length, u32 request length, token, ReadBlocksRequest
-    answer:   per block, u32 n, n bytes of BlockData without ``data`` (hash, checksum,
-              identity), then the slot's bytes; or u32 0xFFFFFFFF, u32 n, an n-byte message
-              (the error), and the connection closes
-
-All integers big-endian. The reader must hold the blocks pinned (its Lookup over gRPC, under
-the same engine id), as for ReadBlocks; the bearer token is the daemon's own
-(``--auth-token-file``), compared in constant time. Plaintext only: a daemon with TLS refuses
-the flag (sendfile cannot encrypt), and its peers read over gRPC.
+arena files with ``sendfile`` (no copy through Python). One request per connection, for a whole
+chain: the port pins the ready prefix of the hashes itself (a Lookup with pin, under the
+reader's engine id, registered over gRPC with the layout's spec), sends every header first (the
+reader reserves its slots before the bytes come), then the slots back to back (adjacent slots
+of one file in one ``sendfile``), and releases the pin. The wire is in
+offloadd.fleet.block_reader. The bearer token is the daemon's own (``--auth-token-file``),
+compared in constant time before anything else is looked at. Plaintext only: a daemon with TLS
+refuses the flag (sendfile cannot encrypt), and its peers read over gRPC (DECISIONS 44, 49).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
 import select
+import socket
 import struct
 
 from kvcache.v1 import offload_pb2
@@ -29,8 +28,8 @@ from kvcache.v1 import offload_pb2
 from offloadd import codec
 from offloadd.edge.service import parse
 from offloadd.errors import InvalidArgument, RequestError
-from offloadd.fleet.block_reader import ERROR, MAGIC
-from offloadd.messages import BlockData
+from offloadd.fleet.block_reader import ERROR, MAGIC, SOCKET_BUFFER
+from offloadd.messages import BlockData, GroupQuery
 from offloadd.tier.store import HostStore
 
 log = logging.getLogger(__name__)
@@ -58,24 +57,31 @@ class BlockPort:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        lease: tuple[str, str] | None = None  # (engine id, lease id) of the pin
         try:
             try:
-                plan = await asyncio.wait_for(self._request(reader), self.timeout_s)
+                lease, head, ranges = await asyncio.wait_for(self._request(reader), self.timeout_s)
             except (RequestError, asyncio.IncompleteReadError, TimeoutError) as exc:
                 why = str(exc) if isinstance(exc, RequestError) else "incomplete or slow request"
                 msg = why.encode()[:4096]
                 writer.write(_U32.pack(ERROR) + _U32.pack(len(msg)) + msg)
                 return
-            await self._send(writer, plan)
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+            await asyncio.to_thread(_send_all, sock.fileno(), head, ranges, self.timeout_s)
         except (ConnectionError, OSError, TimeoutError) as exc:  # the reader went away: it retries
             log.info("block port: reader went away: %s", exc)
         finally:
+            if lease is not None:
+                with contextlib.suppress(RequestError):  # expired meanwhile: unpinned already
+                    self.store.release(*lease)
             writer.close()
 
-    async def _request(self, reader: asyncio.StreamReader) -> list[tuple[bytes, int, int, int]]:
+    async def _request(self, reader: asyncio.StreamReader
+                       ) -> tuple[tuple[str, str] | None, bytes, list[tuple[int, int, int]]]:
         magic, token_len, req_len = _HEAD.unpack(await reader.readexactly(_HEAD.size))
         if magic != MAGIC or token_len > MAX_TOKEN_BYTES or req_len > MAX_REQUEST_BYTES:
-            raise InvalidArgument("not a block-port request (expected KVB1 and sane lengths)")
+            raise InvalidArgument(f"not a block-port request (expected {MAGIC!r} and sane lengths)")
         token = await reader.readexactly(token_len)
         raw = await reader.readexactly(req_len)
         if self.token is not None and not hmac.compare_digest(token, self.token):
@@ -83,35 +89,35 @@ class BlockPort:
         req = parse(raw, offload_pb2.ReadBlocksRequest, "block port")
         return self._plan(req.engine_id, req.group_idx, list(req.block_hashes))
 
-    def _plan(self, engine_id: str, group_idx: int, hashes: list[bytes]) -> list[tuple[bytes, int, int, int]]:
-        """Per block: its header, file, offset and size; every block checked before any is sent
-        (ReadBlocks' rules: ready, verified, its file still holding it)."""
+    def _plan(self, engine_id: str, group_idx: int, hashes: list[bytes]
+              ) -> tuple[tuple[str, str] | None, bytes, list[tuple[int, int, int]]]:
+        """Pin the ready prefix of ``hashes`` (checked as Lookup checks: ready, verified);
+        the answer's head (count and headers) and the (file, offset, size) ranges to send."""
         store = self.store
         layout = store.layout_of(store.engine(engine_id), group_idx)
-        store.check_count(len(hashes), "block_hashes")
-        store.check_arena()
-        out = []
-        for i, d in enumerate(hashes):
-            store.check_digest(d, f"block_hashes[{i}]")
-            entry = layout.index.ready(d)
-            if entry is not None and not entry.verified and not store.integrity.verify(layout, d):
-                entry = None
-            if entry is None:
-                raise InvalidArgument(f"NOT_FOUND: block_hashes[{i}] is not resident in group {group_idx}")
+        found = store.lookup(engine_id, [GroupQuery(group_idx, tuple(hashes), prefix_only=True)],
+                             True, int(self.timeout_s * 1000) + 30_000)
+        lease = (engine_id, found.lease_id) if found.lease_id else None
+        headers: list[bytes] = []
+        ranges: list[tuple[int, int, int]] = []
+        size = layout.geometry.slot_bytes
+        for d in hashes[:found.results[0].num_prefix]:
+            entry = layout.index.entry(d)
             meta = codec.block_data_wire(BlockData(d, b"", entry.checksum, entry.parent,
                                                    entry.token_ids, entry.extra_keys, entry.lora_name))
+            headers.append(_U32.pack(len(meta)) + meta)
             fd, offset = layout.arena.file_of(entry.slot)
-            out.append((_U32.pack(len(meta)) + meta, fd, offset, layout.geometry.slot_bytes))
-        return out
-
-    async def _send(self, writer: asyncio.StreamWriter, plan: list[tuple[bytes, int, int, int]]) -> None:
-        """Everything is written by one worker thread straight to the socket (the transport's
-        buffer stays empty: nothing else writes to it), the bytes by ``os.sendfile``."""
-        sock = writer.get_extra_info("socket")
-        await asyncio.to_thread(_send_all, sock.fileno(), plan, self.timeout_s)
+            if ranges and ranges[-1][0] == fd and ranges[-1][1] + ranges[-1][2] == offset:
+                ranges[-1] = (fd, ranges[-1][1], ranges[-1][2] + size)  # adjacent: one sendfile
+            else:
+                ranges.append((fd, offset, size))
+        body = b"".join(headers)
+        return lease, _U32.pack(len(headers)) + _U32.pack(len(body)) + body, ranges
 
 
-def _send_all(sock_fd: int, plan: list[tuple[bytes, int, int, int]], timeout_s: float) -> None:
+def _send_all(sock_fd: int, head: bytes, ranges: list[tuple[int, int, int]], timeout_s: float) -> None:
+    """Everything is written by one worker thread straight to the socket (the transport's
+    buffer stays empty: nothing else writes to it), the bytes by ``os.sendfile``."""
     poll = select.poll()
     poll.register(sock_fd, select.POLLOUT)
 
@@ -119,13 +125,13 @@ def _send_all(sock_fd: int, plan: list[tuple[bytes, int, int, int]], timeout_s: 
         if not poll.poll(int(timeout_s * 1000)):
             raise TimeoutError("the reader stopped reading")
 
-    for head, fd, offset, size in plan:
-        view = memoryview(head)
-        while view:
-            try:
-                view = view[os.write(sock_fd, view):]
-            except BlockingIOError:
-                wait()
+    view = memoryview(head)
+    while view:
+        try:
+            view = view[os.write(sock_fd, view):]
+        except BlockingIOError:
+            wait()
+    for fd, offset, size in ranges:
         end = offset + size
         while offset < end:
             try:

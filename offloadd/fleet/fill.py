@@ -11,10 +11,13 @@ Reserve, the arena write, Commit, so the local log gets ``BlockStored(CPU)`` wit
 
 A block is taken only when its bytes match their checksum and slot size and it chains on the
 request's own hashes (its parent is the block before it); the first that does not ends the
-prefix. A peer that fails or dies mid-transfer costs this Lookup its remote part (a recompute,
-or the next Lookup retries): nothing is reserved before every byte arrived. Fills run one at a
-time (a Lookup whose next block no peer holds does not wait for them), so a second engine
-missing the same prefix waits and then finds it local.
+prefix. Over gRPC, nothing is reserved before every byte arrived; over a peer's block port
+(offloadd.fleet.port_fill) the slots are reserved first and the bytes received straight into
+them, and what did not arrive whole and intact is released. Either way a peer that fails or
+dies mid-transfer costs this Lookup (part of) its remote prefix (a recompute, or the next
+Lookup retries), never a wrong block. Fills run one at a time (a Lookup whose next block no
+peer holds does not wait for them), so a second engine missing the same prefix waits and then
+finds it local.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ from events.hashing import to_wire
 from offloadd.client.errors import NotRegistered, OffloadClientError
 from offloadd.client.offload_client import OffloadClient
 from offloadd.errors import RequestError
-from offloadd.fleet.block_reader import read_blocks_raw
+from offloadd.fleet.block_reader import PeerStream
 from offloadd.fleet.index import FleetIndex
 from offloadd.fleet.peers import Peer
+from offloadd.fleet.port_fill import fill_from_stream
 from offloadd.log.metadata import RedisUnavailable
 from offloadd.messages import BlockData, BlockToStore, GroupQuery, GroupSpec, ReserveStatus
 from offloadd.tier.layouts import Layout
@@ -133,49 +137,95 @@ class FleetFill:
             link = self.links.get(name)
             if link is None:
                 continue
-            t0 = time.perf_counter()
             try:
-                data = await asyncio.to_thread(self._read, link, layout, missing[:held])
+                if link.peer.block_port:
+                    n = await self._fill_over_port(engine, layout, link, missing[:held], parent)
+                else:
+                    n = await self._fill_over_grpc(engine, layout, link, missing[:held], parent)
             except OffloadClientError as exc:
                 self.stats.num_failed += 1
                 log.warning("fleet read from %s failed: %s", name, exc)
                 continue
-            good = _chained(data, missing, parent, layout.geometry.slot_bytes)
-            self.stats.num_rejected += held - len(good)
-            if good:
-                t1 = time.perf_counter()
-                n = await self._store(engine.engine_id, layout, good, name)
-                log.info("fleet fill: %d blocks from %s for %s (read %.1f ms, store %.1f ms)", n,
-                         name, engine.engine_id, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+            if n:
                 return n
         return 0
 
-    def _read(self, link: PeerLink, layout: Layout, hashes: Sequence[bytes]) -> list[BlockData]:
-        """On a worker thread: pin, stream and release ``hashes`` on the peer (its longest
-        ready prefix of them)."""
+    async def _fill_over_port(self, engine: EngineInfo, layout: Layout, link: PeerLink,
+                              hashes: Sequence[bytes], parent: bytes | None) -> int:
+        """One block-port request pins and sends the chain; its bytes go straight into
+        reserved slots (offloadd.fleet.port_fill)."""
+        rec = layout.record
+        for attempt in (1, 2):
+            reader = await asyncio.to_thread(self._register, link, layout)
+            t0 = time.perf_counter()
+            try:
+                stream = await asyncio.to_thread(
+                    PeerStream.open, link.peer.block_address, link.token, link.timeout_s, reader,
+                    rec.group_idx, hashes, layout.geometry.slot_bytes)
+                break
+            except OffloadClientError as exc:
+                if attempt == 2 or "is not registered" not in exc.message:
+                    raise
+                self._registered.discard((link.peer.name, reader))  # the peer restarted
+        with stream:
+            out = await fill_from_stream(self.store, self.writer, engine.engine_id, layout, stream,
+                                         hashes, parent, f"fleet:{link.peer.name}")
+        self.stats.num_rejected += out.rejected
+        if stream.error:
+            self.stats.num_failed += 1
+            log.warning("fleet read from %s cut short: %s", link.peer.name, stream.error)
+        if out.stored:
+            self.stats.num_fills += 1
+            self.stats.num_blocks += out.stored
+            log.info("fleet fill: %d blocks from %s for %s (%.1f ms: receive %.1f ms, store %.1f ms)",
+                     out.stored, link.peer.name, engine.engine_id, (time.perf_counter() - t0) * 1e3,
+                     out.read_ms, out.store_ms)
+        return out.stored
+
+    async def _fill_over_grpc(self, engine: EngineInfo, layout: Layout, link: PeerLink,
+                              hashes: Sequence[bytes], parent: bytes | None) -> int:
+        t0 = time.perf_counter()
+        data = await asyncio.to_thread(self._read, link, layout, hashes)
+        good = _chained(data, hashes, parent, layout.geometry.slot_bytes)
+        self.stats.num_rejected += len(hashes) - len(good)
+        if not good:
+            return 0
+        t1 = time.perf_counter()
+        n = await self._store(engine.engine_id, layout, good, link.peer.name)
+        log.info("fleet fill: %d blocks from %s for %s (read %.1f ms, store %.1f ms)", n,
+                 link.peer.name, engine.engine_id, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+        return n
+
+    def _register(self, link: PeerLink, layout: Layout) -> str:
+        """This node's reader id on the peer for ``layout``, registered there (once) with the
+        layout's own spec: a peer with another layout holds nothing under it."""
         rec = layout.record
         reader = f"{READER_PREFIX}{self.node_name}:{rec.layout_id}"
         key = (link.peer.name, reader)
-        spec = GroupSpec(rec.group_idx, rec.kind, rec.sliding_window, rec.block_size,
-                         rec.block_bytes, rec.dtype, rec.layout)
+        if key not in self._registered:
+            spec = GroupSpec(rec.group_idx, rec.kind, rec.sliding_window, rec.block_size,
+                             rec.block_bytes, rec.dtype, rec.layout)
+            link.client.register_engine(reader, 1, rec.model_namespace, [spec])
+            self._registered.add(key)
+        return reader
+
+    def _read(self, link: PeerLink, layout: Layout, hashes: Sequence[bytes]) -> list[BlockData]:
+        """On a worker thread: pin, stream and release ``hashes`` on the peer (its longest
+        ready prefix of them) over gRPC."""
+        rec = layout.record
         query = [GroupQuery(rec.group_idx, tuple(hashes), prefix_only=True)]
         client = link.client
         for attempt in (1, 2):
-            if key not in self._registered:
-                client.register_engine(reader, 1, rec.model_namespace, [spec])
-                self._registered.add(key)
+            reader = self._register(link, layout)
             try:
                 found = client.lookup(reader, query, pin=True)
                 break
             except NotRegistered:  # the peer restarted: register again, once
-                self._registered.discard(key)
+                self._registered.discard((link.peer.name, reader))
                 if attempt == 2:
                     raise
         held = found.results[0].num_prefix
         try:
-            if link.peer.block_port and held:
-                return read_blocks_raw(link.peer.block_address, link.token, link.timeout_s, reader,
-                                       rec.group_idx, hashes[:held], layout.geometry.slot_bytes)
             parts = [hashes[i:i + STREAM_BLOCKS] for i in range(0, held, STREAM_BLOCKS)]
             if len(parts) <= 1:
                 return client.read_blocks(reader, rec.group_idx, hashes[:held]) if held else []
@@ -194,12 +244,13 @@ class FleetFill:
         if not res.reservation_id:
             return 0
         self.store.reservation(engine_id, res.reservation_id).provenance = f"fleet:{peer}"
-        written = [b.block_hash for (status, slot), b in zip(res.blocks, good, strict=True)
-                   if status is ReserveStatus.RESERVED and layout.arena.write(slot, b.data)]
+        written = {b.block_hash: b.checksum for (status, slot), b in zip(res.blocks, good, strict=True)
+                   if status is ReserveStatus.RESERVED and layout.arena.write(slot, b.data)}
         if not written:
             self.writer.abort(engine_id, res.reservation_id)
             return 0
-        out = await self.writer.commit(engine_id, res.reservation_id, written)
+        # their checksums were verified on these bytes (_chained): no read back
+        out = await self.writer.commit(engine_id, res.reservation_id, list(written), written)
         self.stats.num_fills += 1
         self.stats.num_blocks += out.num_committed
         return out.num_committed

@@ -13,6 +13,7 @@ RESOURCE_EXHAUSTED instead. Eviction is per layout: a layout never takes slots o
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 
 from events.hashing import to_wire
 from events.schema import BlockRemoved, BlockStored, Event, LogRecord
@@ -146,7 +147,10 @@ class StoreWriter:
 
     # -- Commit / Abort -------------------------------------------------------------------
 
-    async def commit(self, engine_id: str, reservation_id: str, subset: list[bytes]) -> CommitOutcome:
+    async def commit(self, engine_id: str, reservation_id: str, subset: list[bytes],
+                     checksums: Mapping[bytes, int] | None = None) -> CommitOutcome:
+        """``checksums``: the blocks' xxh3 as the daemon computed them on the bytes it wrote
+        itself (a fill from a peer); the slots engines wrote are read back and hashed here."""
         store = self.store
         await store.metadata.resolve()  # a retried Commit must see how the last attempt ended
         res = store.reservation(engine_id, reservation_id)
@@ -158,7 +162,8 @@ class StoreWriter:
         rest = [d for d in res.digests if wanted and d not in wanted]
         layout = store.layout(res.layout_id)
         entries = {d: layout.index.entry(d) for d in chosen}
-        sums = {d: layout.checksum(e.slot) for d, e in entries.items()}
+        sums = {d: layout.checksum(e.slot) if checksums is None or layout.index.is_lost(e.slot)
+                else checksums[d] for d, e in entries.items()}
         events = stored_events(layout, res.lora_name, chosen, entries, res.provenance)
         blocks_key = store.metadata.keys.blocks(layout.layout_id)
         layouts_key = store.metadata.keys.layouts
