@@ -1,7 +1,7 @@
 """kv-bridge core: tails the log and republishes it in the vLLM ZMQ wire format (WIRE.md).
 
 One published batch per log record. Seqs are numbered per published stream (the mixed stream,
-or one source's stream in per-source mode) by :class:`bridge.seqindex.SeqIndex`, derived from
+or one source's stream in per-source mode: bridge.streams) by :class:`bridge.seqindex.SeqIndex`, derived from
 the log itself at start: in the mixed stream seq = offset - 1 as long as no record is empty
 (an empty record takes no seq, because the wire never carries an empty batch). A restarted
 bridge resumes after the last offset it saved (bridge.position), so subscribers see the
@@ -27,7 +27,7 @@ the state, needed only for snapshots, is applied in idle time (bridge.state).
 
 Threads: the caller's thread runs :meth:`Bridge.run` (read, publish, apply) and owns the PUB
 socket; a :class:`bridge.replay_server.ReplayServer` thread owns the ROUTER socket and reads the
-log itself. ``_lock`` guards the state and the seq indexes they share.
+log itself (the pair: bridge.outlet). ``_lock`` guards the state and the seq indexes they share.
 """
 
 from __future__ import annotations
@@ -35,50 +35,30 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import zmq
 from prometheus_client import Counter
 
-from bridge.bootstrap import CheckpointReader
+from bridge.bootstrap import CheckpointReader, defer_state, start_state
 from bridge.config import BridgeConfig
-from bridge.epoch import EpochWatch, Preamble, clear_batches
+from bridge.epoch import EpochWatch, clear_batches
 from bridge.errors import ForeignEntry
 from bridge.legacy_mirror import LegacyMirror
 from bridge.metrics import BridgeMetrics, Health
+from bridge.outlet import Endpoints, Outlet
 from bridge.position import PositionStore, SavedPosition
-from bridge.replay_server import ReplayPlan, ReplayServer, SnapshotPlan
+from bridge.replay_server import ReplayPlan, SnapshotPlan
 from bridge.seqindex import SeqIndex
 from bridge.state import LazyState
-from bridge.transcode import Transcoded, batch_for, is_foreign, takes_seq
+from bridge.streams import Streams
+from bridge.transcode import batch_for, is_foreign
 from events.logreader import LogReader, LogUnavailable, RawEntry
-from events.schema import SchemaError
 from events.state_gc import GcPolicy
 
 log = logging.getLogger("kvbridge")
 
 CATCH_UP_SLICE_S = 0.002
 """Idle time goes to the state in slices this long; new records are read between them."""
-
-
-class PublishedStream:
-    """One topic with its own contiguous seq; ``source`` None publishes every source."""
-
-    def __init__(self, topic: str, source: str | None) -> None:
-        self.topic = topic
-        self.topic_bytes = topic.encode()
-        self.source = source
-        self.index = SeqIndex()
-        self.preamble: Preamble = ()  # the clear batches that opened the current epoch
-
-    def wants(self, batch: Transcoded | None) -> bool:
-        return takes_seq(batch, self.source)
-
-
-@dataclass(frozen=True)
-class Endpoints:
-    pub: str
-    replay: str
 
 
 class Bridge:
@@ -101,7 +81,7 @@ class Bridge:
         self._lock = threading.Lock()
         self._state = LazyState(self.metrics, config.max_pending)
         self._gc = GcPolicy(config.full_gc_interval_s)
-        self._streams: dict[str, PublishedStream] = {}
+        self._streams = Streams(config)
         self._position = 0  # last log offset published (its apply may still be pending)
         self._held_at = 0  # a foreign log entry the bridge waits before (0: none)
         self._events_in_chunk = 0
@@ -109,11 +89,8 @@ class Bridge:
         self._last_save = 0.0
         self._started = False
         self._epochs = EpochWatch(positions.log_epoch, reader.head, self.health, config.epoch_check_s)
-        self._pub = ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
-        self._pub.setsockopt(zmq.LINGER, 1000)
-        self._pub.bind(config.pub_endpoint)
-        self._replay = ReplayServer(ctx, config, reader, self, self.metrics)
+        self._outlet = Outlet(ctx, config, reader, self, self.metrics, layout=config.layout,
+                              pub_endpoint=config.pub_endpoint, replay_endpoint=config.replay_endpoint)
         # --legacy-pub: every batch also goes out in the legacy layout (bridge.legacy_mirror)
         self._legacy = LegacyMirror(ctx, config, reader, self, self.metrics) if config.legacy_pub_endpoint else None
         # The daemon trims the log behind its checkpoints (offloadd.log.checkpoint): a bridge
@@ -122,15 +99,10 @@ class Bridge:
             "kvbridge_log_gap_records", "Records trimmed from the log before the bridge read them",
             registry=self.metrics.registry,
         )
-        if config.source is not None:
-            self._stream_for(config.source)
-        elif not config.per_source:
-            self._streams[config.topic] = PublishedStream(config.topic, None)
 
     @property
     def endpoints(self) -> Endpoints:
-        pub = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        return Endpoints(pub, self._replay.endpoint)
+        return self._outlet.endpoints
 
     @property
     def position(self) -> int:
@@ -159,7 +131,7 @@ class Bridge:
             self.close()
 
     def close(self) -> None:
-        self._replay.stop()
+        self._outlet.stop()
         if self._legacy is not None:  # legacy mirror
             self._legacy.stop()
         if self._started:
@@ -167,7 +139,6 @@ class Bridge:
                 self._save(force=True)
             except LogUnavailable as exc:
                 log.warning("could not save the position on stop: %s", exc)
-        self._pub.close()
 
     def _start(self) -> None:
         """Rebuild state and seq indexes from the log up to where publishing resumes."""
@@ -193,80 +164,35 @@ class Bridge:
             resume = 0
         with self._lock:
             self._state.reset()
-            for stream in self._streams.values():
-                stream.index = SeqIndex()
+            self._streams.reset()
             self._position = 0
             jumped, applied = False, 0
             if first > 1:
-                resume, applied = self._bootstrap(resume, first, epoch)
+                resume, applied = start_state(self._checkpoints, self._state, epoch, resume, first)
                 jumped = applied == resume and saved is not None and saved.offset < first - 1
             entries = self._reader.iter_range_raw(1, resume, self.config.read_chunk)
             for n, entry in enumerate(entries):
                 if entry[0] > applied:
                     self._state.apply_entry(entry)
-                self._index(entry[0], batch_for(entry[1], self.config.layout))
+                self._streams.index(entry[0], batch_for(entry[1], self.config.layout))
                 self._position = entry[0]
                 if n % 1000 == 999:
                     self._gc.after_chunk()
             self._gc.after_chunk()
             self._position = max(resume, self._position)
-            self._rebase(saved, first, epoch, jumped)
+            self._streams.rebase(saved, first, epoch, jumped)
         self._epochs.epoch = epoch
         self._started = True
         self.metrics.redis_up.set(1)
         self.health.set(redis_ok=True, detail=f"publishing after offset {self._position}", ready=True)
         if carried is not None:
             self._open_epoch(epoch or "", carried)
-        self._replay.start()
+        self._outlet.start()
         if self._legacy is not None:  # legacy mirror
             self._legacy.start()
         log.info("kv-bridge ready: pub=%s replay=%s topic=%s layout=%s resume_after=%d head=%d",
                  self.endpoints.pub, self.endpoints.replay, self.config.topic, self.config.layout,
                  self._position, head)
-
-    def _bootstrap(self, resume: int, first: int, epoch: str | None) -> tuple[int, int]:
-        """The state on a log trimmed before ``first`` (module docstring): (the position to
-        resume after, the offset through which the state already holds the records)."""
-        found = self._checkpoints.usable(epoch, first) if self._checkpoints is not None else []
-        at_or_before = [c for c in found if c[0].offset <= resume]
-        for manifest, snap in at_or_before or found:
-            try:
-                if manifest.offset <= resume:
-                    self._state.start_from(snap)
-                elif resume < first - 1:
-                    log.warning("position %d is before the oldest retained record %d: jumping to the "
-                                "checkpoint at offset %d", resume, first, manifest.offset)
-                    self._state.start_from(snap)
-                    resume = manifest.offset
-                else:
-                    self._state.defer_to(snap)
-            except SchemaError as exc:
-                log.error("checkpoint %s holds an invalid event (%s); trying an older one",
-                          manifest.ckpt_id, exc)
-                continue
-            log.info("state from checkpoint %s at offset %d", manifest.ckpt_id, manifest.offset)
-            return resume, manifest.offset
-        log.error("the log starts at offset %d and no usable checkpoint covers the records before "
-                  "it: snapshots miss the blocks stored before it", first)
-        return resume, 0
-
-    def _rebase(self, saved: SavedPosition | None, first: int, epoch: str | None, jumped: bool) -> None:
-        """After trimming, old records are gone: continue the saved numbering instead (the mixed
-        stream keeps seq = offset - 1 when the position ``jumped`` over trimmed records). After
-        an epoch change the numbering starts at the saved base of the epoch."""
-        if first <= 1:
-            if saved is not None and saved.epoch and saved.epoch == epoch:
-                for topic, stream in self._streams.items():
-                    if saved.base_seqs.get(topic):
-                        stream.index.rebase(saved.base_seqs[topic])
-            return
-        for topic, stream in self._streams.items():
-            if jumped and stream.source is None:
-                stream.index.rebase(first - 1)
-            elif saved is not None and topic in saved.next_seqs:
-                stream.index.rebase(max(0, saved.next_seqs[topic] - len(stream.index)))
-            elif stream.source is None:
-                stream.index.rebase(first - 1)
 
     def _step(self) -> None:
         epochs = self._epochs
@@ -334,7 +260,7 @@ class Bridge:
         (from ``carried``, the saved next seqs, at start)."""
         with self._lock:
             known = self._state.sources()
-            for stream in self._streams.values():
+            for stream in self._streams.all():
                 if carried is not None and stream.topic not in carried:
                     continue
                 first = carried[stream.topic] if carried is not None else stream.index.next_seq
@@ -342,7 +268,7 @@ class Bridge:
                 stream.preamble = clear_batches(sources, first, self.config.layout)
                 stream.index = SeqIndex(first + len(stream.preamble))
                 for seq, payload in stream.preamble:
-                    self._pub.send_multipart([stream.topic_bytes, seq.to_bytes(8, "big"), payload])
+                    self._outlet.send(stream.topic_bytes, seq, payload)
                     if self._legacy is not None:  # legacy mirror
                         self._legacy.publish_payload(stream.topic_bytes, seq, payload)
             self._state.reset()
@@ -358,11 +284,10 @@ class Bridge:
         m.offset.set(self._position)
         m.head.set(entries[-1][0])
         m.pending.set(self._state.pending)
-        for stream in self._streams.values():
+        for stream in self._streams.all():
             m.next_seq.labels(stream.topic).set(stream.index.next_seq)
         m.published_events.inc(self._events_in_chunk)
-        topic = next(iter(self._streams)) if len(self._streams) == 1 else "*"
-        m.published_batches.labels(topic).inc(published)
+        m.published_batches.labels(self._streams.metric_topic).inc(published)
 
     def _publish(self, entry: RawEntry) -> int:
         """Publish one record on its stream (1 when published); its apply is queued.
@@ -374,16 +299,13 @@ class Bridge:
         if offset != self._position + 1 and self._position:
             self._skip(offset)
         self._state.add(entry)
-        stream = self._index(offset, batch)
+        stream = self._streams.index(offset, batch)
         self._position = offset
         if stream is None or batch is None:
             return 0
         self._events_in_chunk += batch.num_events
         seq = stream.index.next_seq - 1
-        pub = self._pub
-        pub.send(stream.topic_bytes, zmq.SNDMORE)
-        pub.send(seq.to_bytes(8, "big"), zmq.SNDMORE)
-        pub.send(batch.payload)
+        self._outlet.send(stream.topic_bytes, seq, batch.payload)
         if self._legacy is not None:  # legacy mirror
             self._legacy.publish(stream.topic_bytes, seq, data)
         return 1
@@ -396,47 +318,8 @@ class Bridge:
         log.warning("log gap: offsets jump from %d to %d (trimmed before they were read); "
                     "continuing from the oldest retained record", self._position, offset)
         self.gap_records.inc(skipped)
-        self._rebootstrap(offset)
-        for stream in self._streams.values():
-            if stream.source is None:  # everything before the gap left the log: shifting is safe
-                stream.index.rebase(stream.index.base_seq + skipped)
-
-    def _rebootstrap(self, first: int) -> None:
-        """After a gap the state misses the trimmed records: it is the newest usable checkpoint's
-        once publishing reaches it (its offset is at least ``first`` - 1: the log holds its tail)."""
-        found = self._checkpoints.usable(self._epochs.epoch, first) if self._checkpoints is not None else []
-        for manifest, snap in found:
-            try:
-                self._state.defer_to(snap)
-            except SchemaError as exc:
-                log.error("checkpoint %s holds an invalid event (%s)", manifest.ckpt_id, exc)
-                continue
-            log.info("state from checkpoint %s at offset %d after the gap", manifest.ckpt_id, manifest.offset)
-            return
-        log.error("no usable checkpoint covers the records trimmed before offset %d: snapshots miss "
-                  "the blocks stored before it", first)
-
-    def _index(self, offset: int, batch: Transcoded | None) -> PublishedStream | None:
-        """Give the record its seq on the stream that publishes it (if any)."""
-        if batch is None:
-            log.error("log entry %d cannot be decoded; it is not published", offset)
-            return None
-        stream = self._stream_for(batch.source)
-        if stream is None or not stream.wants(batch):
-            return None
-        stream.index.append(offset)
-        return stream
-
-    def _stream_for(self, source: str) -> PublishedStream | None:
-        if self.config.per_source or self.config.source == source:
-            topic = self.config.topic_for(source)
-            stream = self._streams.get(topic)
-            if stream is None:
-                stream = self._streams[topic] = PublishedStream(topic, source)
-            return stream
-        if self.config.source is not None:
-            return None
-        return self._streams[self.config.topic]
+        defer_state(self._checkpoints, self._state, self._epochs.epoch, offset)
+        self._streams.skip(skipped)
 
     def _save(self, force: bool) -> None:
         now = time.monotonic()
@@ -445,10 +328,8 @@ class Bridge:
         if not force and now - self._last_save < self.config.save_interval_s:
             return
         with self._lock:
-            position = SavedPosition(
-                self._position, {t: s.index.next_seq for t, s in self._streams.items()},
-                self._epochs.epoch or "", {t: s.index.base_seq for t, s in self._streams.items()},
-            )
+            position = SavedPosition(self._position, self._streams.next_seqs(),
+                                     self._epochs.epoch or "", self._streams.base_seqs())
         self._positions.save(position)
         self._saved_position = position.offset
         self._last_save = now
@@ -457,27 +338,12 @@ class Bridge:
 
     def replay_plan(self, topic: bytes | None, start_seq: int) -> ReplayPlan | None:
         with self._lock:
-            stream = self._stream_by_topic(topic)
-            if stream is None:
-                return None
-            index = stream.index
-            first_seq = max(start_seq, index.base_seq)
-            # A seq from before an epoch change: the clear batches first, so the jump shows.
-            preamble = tuple(p for p in stream.preamble if p[0] >= start_seq)
-            if first_seq >= index.next_seq:
-                return ReplayPlan(stream.topic_bytes, stream.source, first_seq, 0, -1, preamble)
-            return ReplayPlan(
-                stream.topic_bytes, stream.source, first_seq, index.offset_of(first_seq),
-                index.last_offset, preamble,
-            )
+            return self._streams.replay_plan(topic, start_seq)
 
     def seq_from(self, topic: bytes, offset: int) -> int:
         """The seq of the first record at or after ``offset`` on ``topic``'s stream."""
         with self._lock:
-            stream = self._stream_by_topic(topic)
-            if stream is None:
-                return 0
-            return stream.index.base_seq + stream.index.count_through(offset - 1)
+            return self._streams.seq_from(topic, offset)
 
     def snapshot_plan(self, topic: bytes | None) -> SnapshotPlan | None:
         """The state and the seq after it; waits (up to the replay send timeout) while the state
@@ -493,7 +359,7 @@ class Bridge:
     def _snapshot_plan(self, topic: bytes | None) -> SnapshotPlan | None:
         if not self._state.is_ready:
             log.warning("snapshot requested before the state reached its checkpoint: it is incomplete")
-        stream = self._stream_by_topic(topic)
+        stream = self._streams.by_topic(topic)
         if stream is None:
             return None
         snap = self._state.export()
@@ -503,10 +369,3 @@ class Bridge:
             if s.events and (stream.source is None or s.source == stream.source)
         )
         return SnapshotPlan(stream.topic_bytes, parts, stream.index.next_seq)
-
-    def _stream_by_topic(self, topic: bytes | None) -> PublishedStream | None:
-        if topic is None:
-            # A plain request names no topic: fine with one fixed stream; with --per-source the
-            # streams come and go with the sources, so the topic frame is required.
-            return None if self.config.per_source else next(iter(self._streams.values()))
-        return self._streams.get(topic.decode(errors="replace"))
