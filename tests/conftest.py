@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import offloadd  # noqa: F401  before anything loads grpc: the daemon's gRPC fork settings (DECISIONS 51)
 from tests.support.redis_proc import RedisProcess, free_port
 
 

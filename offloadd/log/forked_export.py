@@ -1,4 +1,4 @@
-"""A checkpoint's chunks encoded by a forked child, as Redis's BGSAVE does (DECISIONS 39).
+"""A checkpoint's chunks encoded by a forked child, as Redis's BGSAVE does (DECISIONS 39, 51).
 
 Exporting the reducer's state is pure Python work proportional to the resident blocks (about a
 second for 100k blocks on the 2-core machine); done on the daemon's event loop it stalls every
@@ -9,6 +9,12 @@ done frame, then exits with ``os._exit`` (no atexit, no finalizers, no asyncio, 
 child). The parent only reads frames and writes them to Redis. A child that dies or writes a
 torn stream fails the checkpoint (the previous one stays in force). Without ``os.fork`` the
 export runs in the loop, yielding between chunks.
+
+The child must run nothing of the parent's but this module's loop: gRPC core's fork handlers
+are off in the daemon's process (set in ``offloadd/__init__`` before grpc loads; on, they
+restart gRPC's threads in the child, which crashed it), and the cyclic collector is off across
+the fork, so no collection in the child runs finalizers of inherited gRPC, asyncio or Redis
+objects (their C state belongs to threads the child does not have).
 """
 
 from __future__ import annotations
@@ -43,9 +49,19 @@ async def export_chunks(state: CacheState, per_chunk: int, fork: bool = True
             await asyncio.sleep(0)
         return
     r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        _child(state, per_chunk, r, w)
+    # What is alive now leaves the collector's view (as recovery's state does, and kv-bridge's
+    # after each chunk): a full collection in the parent while the child runs would write to
+    # every tracked object's header, copying each page the two still share, all at once.
+    gc.freeze()
+    was_enabled = gc.isenabled()
+    gc.disable()  # the child starts with the collector off (module docstring)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            _child(state, per_chunk, r, w)
+    finally:
+        if was_enabled:
+            gc.enable()  # the parent; the child never returns from _child
     os.close(w)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 20, loop=loop)
@@ -81,7 +97,7 @@ def _child(state: CacheState, per_chunk: int, r: int, w: int) -> NoReturn:
     code = 1
     try:
         os.close(r)
-        gc.disable()  # it exits soon: collecting would only copy the parent's pages
+        gc.disable()  # already off (export_chunks); it exits soon, collecting would only copy pages
         os.nice(10)  # background work: the daemon's requests come first on a busy machine
         signal.set_wakeup_fd(-1)  # the loop's wakeup fd is the parent's: leave it alone
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -4,8 +4,11 @@ changing it; a child that dies is a failed export, not a short checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -13,6 +16,7 @@ from events.checkpoint import Manifest, decode_snapshot
 from events.schema import BlockStored, LogRecord
 from events.state import CacheState
 from offloadd.log.forked_export import ExportFailed, export_chunks
+from tests.support.child_process import REPO
 
 
 def _state(n: int) -> CacheState:
@@ -67,3 +71,31 @@ def test_a_child_killed_midway_fails_the_export() -> None:
     with pytest.raises(ExportFailed, match="before its last chunk"):
         asyncio.run(run())
     assert set(_children()) == before  # reaped
+
+
+def _exports_under_grpc(num: int, grpc_fork_support: str | None) -> dict[str, object]:
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    if grpc_fork_support is not None:
+        env["GRPC_ENABLE_FORK_SUPPORT"] = grpc_fork_support
+    out = subprocess.run([sys.executable, "-m", "tests.offloadd.export_under_grpc", str(num)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result: dict[str, object] = json.loads(out.stdout.splitlines()[-1])
+    return result
+
+
+def test_fifty_exports_forked_while_grpc_serves_all_finish() -> None:
+    """A process set up as the daemon is (offloadd imported before grpc) forks 50 exports back
+    to back while its gRPC server answers calls: no child dies, every export is the state."""
+    got = _exports_under_grpc(50, None)
+    assert got["grpc_fork_support"] == "false"
+    assert got["failed"] == [] and got["wrong"] == 0
+    assert isinstance(got["calls"], int) and got["calls"] > 20  # traffic went on meanwhile
+
+
+@pytest.mark.slow
+def test_with_grpc_fork_handlers_on_export_children_die() -> None:
+    """What offloadd/__init__ turns off: with gRPC core's fork handlers on, its threads start
+    again in the child, and children die (status 11; 9 of 50 on the 2-core machine)."""
+    got = _exports_under_grpc(100, "1")
+    assert got["failed"], got
