@@ -121,6 +121,10 @@ class OffloaddConfig:
     since the last one (offloadd.log.checkpoint); recovery replays only the log after it."""
     checkpoint_records: int = 25_000
     """... and as soon as this many records were appended since the last checkpoint."""
+    full_gc_interval_s: float = 600.0
+    """What is alive leaves the garbage collector's view four times a second (gc.freeze: no
+    pauses that walk the whole state); a full collection, a pause of that size, runs this often
+    to free the cyclic garbage the freezes kept."""
     retention_records: int = 1_000_000
     """Keep at least the newest this many log records (0 = no floor by count)."""
     retention_s: float = 86_400.0
@@ -180,6 +184,8 @@ class OffloaddConfig:
             raise ConfigError(f"owner_lease_s: must be >= 0.3, got {self.owner_lease_s}")
         if self.checkpoint_interval_s <= 0 or self.checkpoint_records <= 0:
             raise ConfigError("checkpoint_interval_s and checkpoint_records: must be > 0")
+        if not self.full_gc_interval_s > 0:
+            raise ConfigError(f"full_gc_interval_s: must be > 0, got {self.full_gc_interval_s}")
         for name in ("retention_records", "retention_s", "retention_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
