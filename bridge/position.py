@@ -10,10 +10,14 @@ values matter when old records were trimmed from the log, and to resume at the r
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from bridge.config import StartAt
 from events.logreader import LogUnavailable
+
+log = logging.getLogger("kvbridge")
 
 
 class HashClient(Protocol):
@@ -30,6 +34,40 @@ class SavedPosition:
     next_seqs: dict[str, int] = field(default_factory=dict)
     epoch: str = ""
     base_seqs: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a starting bridge resumes publishing."""
+
+    after: int  # the last offset taken as published
+    saved: SavedPosition | None  # the saved position, when it is of this log
+    carried: dict[str, int] | None  # the next seqs saved for a log since replaced (a new epoch)
+
+
+def resume_point(saved: SavedPosition | None, epoch: str | None, head: int, first: int,
+                 start: StartAt) -> Resume:
+    """A saved position of another log epoch carries its seqs over and publishes the new log
+    from offset 1; one beyond the head is dropped (the log was reset); ``start`` says where a
+    bridge without one starts (``beginning``: the oldest retained record)."""
+    carried: dict[str, int] | None = None
+    if saved is not None and saved.epoch and epoch is not None and saved.epoch != epoch:
+        log.warning("saved position is of log epoch %s, the log is now epoch %s: the log was "
+                    "replaced; publishing it from offset 1, seqs continuing", saved.epoch, epoch)
+        carried, saved = saved.next_seqs, None
+    if saved is not None and saved.offset > head:
+        log.warning("saved position %d is beyond the log head %d (log reset?); starting at the head",
+                    saved.offset, head)
+        saved = None
+    if carried is not None:
+        after = 0
+    elif start == "beginning":
+        after = max(0, first - 1)  # the oldest retained record on
+    elif start == "resume" and saved is not None:
+        after = saved.offset
+    else:
+        after = head
+    return Resume(after, saved, carried)
 
 
 class PositionStore:

@@ -41,14 +41,13 @@ from prometheus_client import Counter
 
 from bridge.bootstrap import CheckpointReader, defer_state, start_state
 from bridge.config import BridgeConfig
-from bridge.epoch import EpochWatch, clear_batches
+from bridge.epoch import EpochWatch
 from bridge.errors import ForeignEntry
 from bridge.legacy_mirror import LegacyMirror
 from bridge.metrics import BridgeMetrics, Health
 from bridge.outlet import Endpoints, Outlet
-from bridge.position import PositionStore, SavedPosition
+from bridge.position import PositionStore, SavedPosition, resume_point
 from bridge.replay_server import ReplayPlan, SnapshotPlan
-from bridge.seqindex import SeqIndex
 from bridge.state import LazyState
 from bridge.streams import Streams
 from bridge.transcode import batch_for, is_foreign
@@ -142,26 +141,10 @@ class Bridge:
 
     def _start(self) -> None:
         """Rebuild state and seq indexes from the log up to where publishing resumes."""
-        saved = self._positions.load()
-        epoch = self._positions.log_epoch()
-        carried: dict[str, int] | None = None
-        if saved is not None and saved.epoch and epoch is not None and saved.epoch != epoch:
-            log.warning("saved position is of log epoch %s, the log is now epoch %s: the log was "
-                        "replaced; publishing it from offset 1, seqs continuing", saved.epoch, epoch)
-            carried, saved = saved.next_seqs, None
+        loaded, epoch = self._positions.load(), self._positions.log_epoch()
         head, first = self._reader.head(), self._reader.first_offset()
-        if saved is not None and saved.offset > head:
-            log.warning("saved position %d is beyond the log head %d (log reset?); starting at the head",
-                        saved.offset, head)
-            saved = None
-        if self.config.start == "beginning":
-            resume = max(0, first - 1)  # the oldest retained record on
-        elif self.config.start == "resume" and saved is not None:
-            resume = saved.offset
-        else:
-            resume = head
-        if carried is not None:
-            resume = 0
+        point = resume_point(loaded, epoch, head, first, self.config.start)
+        saved, carried, resume = point.saved, point.carried, point.after
         with self._lock:
             self._state.reset()
             self._streams.reset()
@@ -264,10 +247,7 @@ class Bridge:
                 if carried is not None and stream.topic not in carried:
                     continue
                 first = carried[stream.topic] if carried is not None else stream.index.next_seq
-                sources = [stream.source] if stream.source is not None else known
-                stream.preamble = clear_batches(sources, first, self.config.layout)
-                stream.index = SeqIndex(first + len(stream.preamble))
-                for seq, payload in stream.preamble:
+                for seq, payload in stream.open_epoch(first, known, self.config.layout):
                     self._outlet.send(stream.topic_bytes, seq, payload)
                     if self._legacy is not None:  # legacy mirror
                         self._legacy.publish_payload(stream.topic_bytes, seq, payload)
@@ -362,10 +342,4 @@ class Bridge:
         stream = self._streams.by_topic(topic)
         if stream is None:
             return None
-        snap = self._state.export()
-        parts = tuple(
-            (s.source, s.events)
-            for s in snap.sources
-            if s.events and (stream.source is None or s.source == stream.source)
-        )
-        return SnapshotPlan(stream.topic_bytes, parts, stream.index.next_seq)
+        return stream.snapshot_plan(self._state.export())

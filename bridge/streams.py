@@ -1,7 +1,7 @@
 """The streams a bridge publishes, each a topic with its own contiguous seq (bridge.seqindex):
 the mixed stream of every source, one fixed source's (``--source``), or in per-source mode one
 a source, made as the sources appear. Which stream a record goes on, how the numbering carries
-over a restart, a trimmed log and an epoch, and where a replay from a seq starts.
+over a restart, a trimmed log and an epoch, and what a replay or a snapshot of one sends.
 
 Callers hold the bridge's lock.
 """
@@ -9,13 +9,15 @@ Callers hold the bridge's lock.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
-from bridge.config import BridgeConfig
-from bridge.epoch import Preamble
+from bridge.config import BridgeConfig, Layout
+from bridge.epoch import Preamble, clear_batches
 from bridge.position import SavedPosition
-from bridge.replay_server import ReplayPlan
+from bridge.replay_server import ReplayPlan, SnapshotPlan
 from bridge.seqindex import SeqIndex
 from bridge.transcode import Transcoded, takes_seq
+from events.state import Snapshot
 
 log = logging.getLogger("kvbridge")
 
@@ -32,6 +34,23 @@ class PublishedStream:
 
     def wants(self, batch: Transcoded | None) -> bool:
         return takes_seq(batch, self.source)
+
+    def open_epoch(self, first: int, known: Sequence[str], layout: Layout) -> Preamble:
+        """Number a new log epoch from seq ``first``: its clear batches (bridge.epoch) of this
+        stream's source, or of every ``known`` source, take the first seqs; returned to send."""
+        sources = [self.source] if self.source is not None else known
+        self.preamble = clear_batches(sources, first, layout)
+        self.index = SeqIndex(first + len(self.preamble))
+        return self.preamble
+
+    def snapshot_plan(self, snap: Snapshot) -> SnapshotPlan:
+        """The part of ``snap`` this stream publishes, and the seq that follows it."""
+        parts = tuple(
+            (s.source, s.events)
+            for s in snap.sources
+            if s.events and (self.source is None or s.source == self.source)
+        )
+        return SnapshotPlan(self.topic_bytes, parts, self.index.next_seq)
 
 
 class Streams:
