@@ -82,24 +82,27 @@ class CheckpointStats:
     num_trimmed: int = 0
 
 
-# KEYS: owner, pointer, then the keys to write. ARGV: owner value ('' = unchecked), '1' when the
-# pointer must still hold ARGV[3] ('' = absent), then per key from KEYS[3]: 'SET'/'DEL', value.
-# Checks first, writes after: a refusal writes nothing.
+# KEYS: owner, pointer, epoch, then the keys to write. ARGV: owner value ('' = unchecked), '1'
+# when the pointer must still hold ARGV[3] ('' = absent), the log's epoch ('' = unchecked), then
+# per key from KEYS[4]: 'SET'/'DEL', value. The epoch check keeps a daemon that ended its log
+# (offloadd.log.failover) from writing a checkpoint of the log that is gone into the keys the
+# next epoch uses. Checks first, writes after: a refusal writes nothing.
 _PUT = """
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'owner'} end
+if ARGV[4] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[4] then return {'epoch'} end
 if ARGV[2] == '1' then
   local t = redis.call('TYPE', KEYS[2])['ok']
   if t ~= 'none' and t ~= 'string' then return {'wrongtype', KEYS[2], t} end
   if (redis.call('GET', KEYS[2]) or '') ~= ARGV[3] then return {'moved'} end
 end
-for k = 3, #KEYS do
+for k = 4, #KEYS do
   local t = redis.call('TYPE', KEYS[k])['ok']
-  if ARGV[2 * k - 2] == 'SET' and t ~= 'none' and t ~= 'string' then
+  if ARGV[2 * k - 3] == 'SET' and t ~= 'none' and t ~= 'string' then
     return {'wrongtype', KEYS[k], t}
   end
 end
-for k = 3, #KEYS do
-  local a = 2 * k - 2
+for k = 4, #KEYS do
+  local a = 2 * k - 3
   if ARGV[a] == 'SET' then redis.call('SET', KEYS[k], ARGV[a + 1]) else redis.call('DEL', KEYS[k]) end
 end
 return {'ok'}
@@ -234,12 +237,12 @@ class Checkpointer:
     async def _call(self, ops: list[tuple[str, bytes | None]], expect: bytes | None = None) -> None:
         """SET (value) or DEL (None) each key in one fenced script call."""
         md = self.md
-        args: list[Any] = [md.owner, "0" if expect is None else "1", expect or b""]
+        args: list[Any] = [md.owner, "0" if expect is None else "1", expect or b"", self.epoch]
         for _, value in ops:
             args += ("DEL", b"") if value is None else ("SET", value)
         try:
-            reply = await self._put(keys=[md.keys.owner, md.keys.checkpoint, *(k for k, _ in ops)],
-                                    args=args)
+            reply = await self._put(
+                keys=[md.keys.owner, md.keys.checkpoint, md.keys.epoch, *(k for k, _ in ops)], args=args)
         except (RedisError, OSError) as exc:
             raise CheckpointFailed(f"Redis unreachable or refused the write: {exc}") from exc
         code = reply[0].decode()
@@ -247,6 +250,9 @@ class Checkpointer:
             return
         if code == "owner":
             raise CheckpointFailed("the namespace's owner lease is not ours: write refused")
+        if code == "epoch":
+            raise CheckpointFailed(f"{md.keys.epoch} is no longer {self.epoch}: the log this "
+                                   "checkpoint is of was ended; not written")
         if code == "moved":
             raise CheckpointFailed(f"{md.keys.checkpoint} changed under the daemon: not swapped")
         detail = [d.decode(errors="replace") for d in reply[1:]]
