@@ -54,6 +54,7 @@ class PeerStream:
         self.slot_bytes = slot_bytes
         self.address = address
         self.error = ""  # why receive() stopped early
+        self.sums: list[int] = []  # the checksums of the blocks received so far
 
     @classmethod
     def open(cls, address: tuple[str, int], token: str | None, timeout_s: float, engine_id: str,
@@ -86,10 +87,12 @@ class PeerStream:
             sock.close()
             raise
 
-    def receive(self, count: int, sink: Sink) -> list[int]:
+    def receive(self, count: int, sink: Sink,
+                progress: Callable[[int, int], None] | None = None) -> list[int]:
         """The bytes of the first ``count`` blocks, each given to ``sink``; their xxh3 checksums
         as computed here. Fewer when the peer stopped or ``sink`` raised (:attr:`error` says
-        why): a block is counted only once all its bytes were received and sunk.
+        why): a block is counted only once all its bytes were received and sunk. ``progress``
+        is called (on this thread) with each block's index and checksum once it is sunk.
 
         A thread of its own only reads the socket, into a ring of pieces of whole blocks; this
         one hashes and sinks each piece while the next arrives."""
@@ -101,6 +104,7 @@ class PeerStream:
         for i in range(RING_PIECES):
             free.put(i)
         errors: list[str] = []
+        sums = self.sums = []  # read by other threads while it grows
 
         def read() -> None:
             left = count
@@ -123,7 +127,6 @@ class PeerStream:
 
         reader = threading.Thread(target=read, name="block-port-read", daemon=True)
         reader.start()
-        sums: list[int] = []
         try:
             while (item := full.get()) is not None:
                 i, k = item
@@ -132,6 +135,8 @@ class PeerStream:
                     checksum = xxhash.xxh3_64_intdigest(block)
                     sink(len(sums), block)
                     sums.append(checksum)
+                    if progress is not None:
+                        progress(len(sums) - 1, checksum)
                 free.put(i)
         except (OSError, ValueError) as exc:  # the sink refused the slot
             errors.append(str(exc))

@@ -6,6 +6,7 @@ error frame (a block it does not hold ends the prefix it sends), and the daemon 
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 from offloadd.client import GroupQuery, OffloadClient, OffloadClientError
 from offloadd.fleet.block_reader import read_blocks_raw
+from offloadd.fleet.port_fill import COMMIT_BLOCKS
 from tests.support.offloadd_proc import DaemonProcess
 from tests.support.redis_proc import free_port
 from tests.support.synthetic_engine import GROUP, SLOT, SyntheticStorer, digest, served_blocks_match
@@ -22,14 +24,14 @@ from tests.support.synthetic_engine import GROUP, SLOT, SyntheticStorer, digest,
 CHAIN = 40
 
 
-def _chain_on(a: DaemonProcess) -> list[bytes]:
-    storer = SyntheticStorer(a.target, "raw", chain_len=CHAIN, max_chains=1).start()
+def _chain_on(a: DaemonProcess, n: int = CHAIN) -> list[bytes]:
+    storer = SyntheticStorer(a.target, "raw", chain_len=n, max_chains=1).start()
     deadline = time.monotonic() + 20
     while storer.stats.stores < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
     storer.stop()
     assert storer.stats.stores == 1
-    return [digest("raw", i) for i in range(CHAIN)]
+    return [digest("raw", i) for i in range(n)]
 
 
 def test_b_reads_a_chain_through_the_block_port(tmp_path: Path, redis_url: str) -> None:
@@ -98,8 +100,9 @@ def test_the_block_port_refuses_what_it_should(tmp_path: Path, redis_url: str) -
 
 class _Relay:
     """A relay in front of a's block port that breaks the answer: ``cut_at`` closes both sides
-    after that many bytes (the peer died mid-transfer), ``flip_at`` inverts that byte (bits
-    flipped on the way)."""
+    after that many bytes of the slots (the peer died mid-transfer), ``flip_at`` inverts that
+    byte of the slots (bits flipped on the way); both counted from the first slot's first byte,
+    past the count and the headers."""
 
     def __init__(self, upstream: int, cut_at: int = -1, flip_at: int = -1) -> None:
         self.upstream, self.cut_at, self.flip_at = upstream, cut_at, flip_at
@@ -116,14 +119,18 @@ class _Relay:
             with client, socket.create_connection(("127.0.0.1", self.upstream)) as up:
                 client.settimeout(5)
                 up.sendall(client.recv(1 << 20))  # the request (small: one recv)
-                sent = 0
+                head = b""
+                while len(head) < 8:  # u32 count, u32 header bytes
+                    head += up.recv(8 - len(head))
+                client.sendall(head)
+                sent = -struct.unpack("!II", head)[1]  # < 0 while the headers pass
                 while self.cut_at < 0 or sent < self.cut_at:
                     chunk = up.recv(65536)
                     if not chunk:
                         break
                     if self.cut_at >= 0:
                         chunk = chunk[: self.cut_at - sent]
-                    if sent <= self.flip_at < sent + len(chunk):
+                    if self.flip_at >= 0 and sent <= self.flip_at < sent + len(chunk):
                         i = self.flip_at - sent
                         chunk = chunk[:i] + bytes([chunk[i] ^ 0xFF]) + chunk[i + 1:]
                     client.sendall(chunk)
@@ -136,14 +143,15 @@ class _Relay:
 @pytest.mark.parametrize("fault", ["dies", "flips"])
 def test_a_broken_transfer_is_never_a_wrong_block(tmp_path: Path, redis_url: str, fault: str) -> None:
     port = free_port()
-    a = DaemonProcess(tmp_path / "a", redis_url, "node-a", capacity_bytes=4 * CHAIN * SLOT,
+    n = 2 * COMMIT_BLOCKS + 30  # three reservations; the fault in the second
+    a = DaemonProcess(tmp_path / "a", redis_url, "node-a", capacity_bytes=4 * n * SLOT,
                       extra_args=("--fleet-block-port", str(port)))
     a.start()
-    chain = _chain_on(a)
-    head = 8 + CHAIN * 250  # every header (~150-250 bytes) comes before the first slot's bytes
-    relay = (_Relay(port, cut_at=head + 10 * SLOT + SLOT // 2) if fault == "dies"
-             else _Relay(port, flip_at=head + 6 * SLOT + 7))
-    b = DaemonProcess(tmp_path / "b", redis_url, "node-b", capacity_bytes=4 * CHAIN * SLOT,
+    chain = _chain_on(a, n)
+    broken = COMMIT_BLOCKS + 9  # the block cut or flipped
+    relay = (_Relay(port, cut_at=broken * SLOT + SLOT // 2) if fault == "dies"
+             else _Relay(port, flip_at=broken * SLOT + 7))
+    b = DaemonProcess(tmp_path / "b", redis_url, "node-b", capacity_bytes=4 * n * SLOT,
                       extra_args=("--fleet-peers", f"a={a.target}/node-a@{relay.port}",
                                   "--fleet-refresh-ms", "50", "--fleet-timeout-s", "2"))
     b.start()
@@ -159,7 +167,7 @@ def test_a_broken_transfer_is_never_a_wrong_block(tmp_path: Path, redis_url: str
             stats = local.stats()
         assert bad == [] and served == got
         # the blocks that arrived whole and matched their checksum are kept, the rest released
-        assert 0 < got < CHAIN and stats.num_blocks == got
+        assert got == broken and stats.num_blocks == broken
         assert all(s.num_reserved == 0 for s in stats.layouts)
         assert b.proc is not None and b.proc.poll() is None
     finally:
