@@ -23,12 +23,12 @@ from typing import IO, Any
 from events.checkpoint import candidates
 from events.codec_jsonl import ARCHIVE_VERSION, ArchiveHeader, encode_header, encode_record
 from events.logkeys import LogKeys
-from events.logreader import LogReader, LogUnavailable
+from events.logreader import LogUnavailable
 from events.schema import LogRecord
 from events.state import Snapshot
 from kvctl.archive import Archive, complete_length, file_name
 from kvctl.errors import KvctlError
-from kvctl.logsource import log_epoch
+from kvctl.logsource import log_client, log_epoch, log_keys, log_reader
 from kvctl.progress import Progress
 
 
@@ -115,10 +115,8 @@ class Archiver:
     """The follow loop: poll the log after the last archived offset and append."""
 
     def __init__(self, args: argparse.Namespace, client: Any, keys: LogKeys) -> None:
-        import redis  # lazy: only this mode needs it
-
         self._args, self._client, self._keys = args, client, keys
-        self._reader = LogReader(client, keys, (redis.ConnectionError, redis.TimeoutError, OSError))
+        self._reader = log_reader(client, keys)
         self._writer = ArchiveWriter(Path(args.out), keys.namespace, args.rotate_records, args.rotate_bytes)
         self._stop = False
         self._progress = Progress("archiving", None, "records", False)
@@ -207,19 +205,13 @@ def say(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rpc import redis_connect  # lazy: only the Redis source needs redis
-
-
     if args.out == "-":
         raise KvctlError("with --log, -o names the archive directory ('-' is not one)")
     if args.rotate_records <= 0 or args.rotate_bytes <= 0:
         raise KvctlError("--rotate-records and --rotate-bytes must be > 0")
-    try:
-        keys = LogKeys(args.namespace)
-    except ValueError as exc:
-        raise KvctlError(str(exc)) from None
+    keys = log_keys(args.namespace)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    client = redis_connect.connect(args.log, socket_connect_timeout=3.0, socket_timeout=30.0)
+    client = log_client(args.log)
     archiver = Archiver(args, client, keys)
     previous = signal.signal(signal.SIGTERM, archiver.stop)
     try:

@@ -83,8 +83,8 @@ def open_log(
     redis_records: RedisRecords | None = None
     progress_flag: bool | None = getattr(args, "progress", None)
     if is_redis(args.log):
-        keys = _keys(args.namespace)
-        with _client(args.log) as client:
+        keys = log_keys(args.namespace)
+        with log_client(args.log) as client:
             try:
                 epoch = log_epoch(client, keys)
             except LogUnavailable as exc:
@@ -128,18 +128,26 @@ def redis_part(client: Any, keys: LogKeys, url: str, epoch: str | None, after: i
     return (Piece(lo, head) if first > 0 and head >= lo else None), bases
 
 
-def _keys(namespace: str) -> LogKeys:
+def log_keys(namespace: str) -> LogKeys:
+    """The keys of ``namespace``'s log; KvctlError for a name that cannot be one."""
     try:
         return LogKeys(namespace)
     except ValueError as exc:
         raise KvctlError(str(exc)) from None
 
 
-def _client(url: str) -> Any:
+def log_client(url: str) -> Any:
+    """A Redis client for the log at ``url``, with kvctl's timeouts."""
     from rpc import redis_connect  # lazy: only the Redis source needs redis
 
-
     return redis_connect.connect(url, socket_connect_timeout=3.0, socket_timeout=30.0)
+
+
+def log_reader(client: Any, keys: LogKeys) -> LogReader:
+    """A reader whose Redis connection errors are LogUnavailable."""
+    import redis  # lazy: only the Redis source needs it
+
+    return LogReader(client, keys, (redis.ConnectionError, redis.TimeoutError, OSError))
 
 
 def _from_file(
@@ -190,11 +198,9 @@ def _from_redis(
     url: str, namespace: str, until: int | None, label: str, progress_flag: bool | None,
     after: int = 0, epoch: str | None = None,
 ) -> Iterator[LogRecord]:
-    import redis  # lazy: only the Redis source needs it
-
-    keys = _keys(namespace)
-    client = _client(url)
-    reader = LogReader(client, keys, (redis.ConnectionError, redis.TimeoutError, OSError))
+    keys = log_keys(namespace)
+    client = log_client(url)
+    reader = log_reader(client, keys)
     progress: Progress | None = None
     try:
         if epoch is None:

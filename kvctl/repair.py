@@ -21,6 +21,7 @@ from events.logreader import LogReader, LogUnavailable, decode_stored
 from events.records import entry_id
 from events.schema import SchemaError
 from kvctl.errors import KvctlError
+from kvctl.logsource import log_client, log_keys
 
 
 def register(subparsers: Any) -> None:
@@ -41,13 +42,8 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import redis  # lazy, like every Redis source of kvctl
 
-    from rpc import redis_connect
-
-    try:
-        keys = LogKeys(args.namespace)
-    except ValueError as exc:
-        raise KvctlError(str(exc)) from None
-    client: Any = redis_connect.connect(args.log, socket_connect_timeout=3.0, socket_timeout=30.0)
+    keys = log_keys(args.namespace)
+    client: Any = log_client(args.log)
     try:
         owner = client.get(keys.owner) if client.type(keys.owner) == b"string" else None
         if owner is not None and not args.force:

@@ -9,11 +9,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from events.codec_vllm import WireBatch
-from events.logkeys import LogKeys
-from events.logreader import LogReader, LogUnavailable
+from events.logreader import LogUnavailable
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvctl.errors import KvctlError
-from kvctl.logsource import check_epoch, log_epoch
+from kvctl.logsource import check_epoch, log_client, log_epoch, log_keys, log_reader
 from kvctl.record import add_stream_args, follow
 
 
@@ -49,16 +48,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _tail_log(args: argparse.Namespace) -> int:
-    import redis  # lazy: only this mode needs it
-
-    from rpc import redis_connect
-
-    try:
-        keys = LogKeys(args.namespace)
-    except ValueError as exc:
-        raise KvctlError(str(exc)) from None
-    client = redis_connect.connect(args.log, socket_connect_timeout=3.0, socket_timeout=30.0)
-    reader = LogReader(client, keys, (redis.ConnectionError, redis.TimeoutError, OSError))
+    keys = log_keys(args.namespace)
+    client = log_client(args.log)
+    reader = log_reader(client, keys)
     deadline = None if args.duration is None else time.monotonic() + args.duration
     shown = 0
     try:

@@ -16,13 +16,12 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from events.logkeys import LogKeys
-from events.logreader import LogReader, LogUnavailable, decode_stored
+from events.logreader import LogUnavailable, decode_stored
 from events.records import offset_of
 from events.schema import LogRecord, SchemaError
 from events.state import CacheState, Violation
 from kvctl.errors import KvctlError
-from kvctl.logsource import add_source_args, is_redis, open_log
+from kvctl.logsource import add_source_args, is_redis, log_client, log_keys, log_reader, open_log
 
 EXPLAIN = {
     "log_gap": "log offsets are not contiguous",
@@ -92,14 +91,9 @@ def _redis_records(
     to ``problems`` instead."""
     import redis  # lazy: only the Redis source needs it
 
-    from rpc import redis_connect
-
-    try:
-        keys = LogKeys(args.namespace)
-    except ValueError as exc:
-        raise KvctlError(str(exc)) from None
-    client = redis_connect.connect(args.log, socket_connect_timeout=3.0, socket_timeout=30.0)
-    reader = LogReader(client, keys, (redis.ConnectionError, redis.TimeoutError, OSError))
+    keys = log_keys(args.namespace)
+    client = log_client(args.log)
+    reader = log_reader(client, keys)
     last = 0
     try:
         for eid, fields in reader.iter_entries():
