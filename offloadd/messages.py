@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from offloadd.arena import ArenaGeometry, ArenaMapping, SlotGenerations, generations_path
+from offloadd.arena import ArenaGeometry, ArenaMapping
+from offloadd.slot_generations import SlotGenerations, generations_path
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ by offloadd.codec) and the engine's EventIngest stream (:mod:`offloadd.client.in
 Names are re-exported here: import from ``offloadd.client``.
 """
 
-from offloadd.arena import ArenaGeometry, ArenaMapping, SlotGenerations
+from offloadd.arena import ArenaGeometry, ArenaMapping
 from offloadd.client.errors import NotRegistered, OffloadClientError, OffloadUnavailable
 from offloadd.client.ingest_stream import IngestStream
 from offloadd.client.offload_client import LookupFuture, OffloadClient
@@ -24,6 +24,7 @@ from offloadd.messages import (
     ReserveStatus,
     StoreStats,
 )
+from offloadd.slot_generations import SlotGenerations
 from rpc.retry import RetryPolicy
 from rpc.tls import ClientSecurity
 

@@ -22,7 +22,7 @@ from offloadd.tier.eviction import ArcPolicy, LruPolicy
 
 
 class GenerationTable(Protocol):
-    """Where each slot's servable generation is published (offloadd.arena.SlotGenerations)."""
+    """Where each slot's servable generation is published (offloadd.slot_generations.SlotGenerations)."""
 
     def __setitem__(self, slot: int, generation: int) -> None: ...
 

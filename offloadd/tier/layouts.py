@@ -16,17 +16,11 @@ from dataclasses import dataclass
 import msgspec
 import xxhash
 
-from offloadd.arena import (
-    GENERATION_BYTES,
-    ArenaGeometry,
-    SlotGenerations,
-    chunk_path_template,
-    create_chunk_file,
-    generations_path,
-)
+from offloadd.arena import ArenaGeometry, chunk_path_template, create_chunk_file
 from offloadd.config import OffloaddConfig
 from offloadd.errors import FailedPrecondition
 from offloadd.log.projection import LayoutRecord
+from offloadd.slot_generations import GENERATION_BYTES, SlotGenerations, generations_path
 from offloadd.tier.arena_files import ArenaFiles
 from offloadd.tier.eviction import make_policy
 from offloadd.tier.index import LayoutIndex

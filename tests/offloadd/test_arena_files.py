@@ -9,12 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from offloadd.arena import (
-    ArenaGeometry,
-    SlotGenerations,
-    create_chunk_file,
-    generations_path,
-)
+from offloadd.arena import ArenaGeometry, create_chunk_file
+from offloadd.slot_generations import SlotGenerations, generations_path
 from offloadd.tier.arena_files import ArenaFiles
 
 SLOT = 64
@@ -60,7 +56,7 @@ def test_daemon_table_survives_truncation(tmp_path: Path, caplog: pytest.LogCapt
     daemon = SlotGenerations.create(path, 8, 0o600, None)
     daemon[1], daemon[6] = 11, 66
     os.truncate(path, 0)  # a mapped daemon would die on its next write (SIGBUS)
-    with caplog.at_level(logging.WARNING, logger="offloadd.arena"):
+    with caplog.at_level(logging.WARNING, logger="offloadd.slot_generations"):
         daemon[2] = 22  # grows it back, every entry written again
     assert sum(path in r.getMessage() for r in caplog.records) == 1
     assert os.stat(path).st_size == 64

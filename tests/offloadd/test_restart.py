@@ -14,8 +14,8 @@ from events.hashing import to_wire
 from events.logkeys import LogKeys
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from events.state import CacheState
-from offloadd.arena import SlotGenerations
 from offloadd.client import GroupQuery, IngestStream, OffloadClient, OffloadClientError
+from offloadd.slot_generations import SlotGenerations
 from tests.offloadd.conftest import GROUP, SLOT, chain, pattern
 from tests.support.offloadd_proc import DaemonProcess
 

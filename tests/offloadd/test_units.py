@@ -9,15 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from offloadd.arena import (
-    GENERATION_BYTES,
-    ArenaGeometry,
-    ArenaMapping,
-    SlotGenerations,
-    create_chunk_file,
-    generations_path,
-)
+from offloadd.arena import ArenaGeometry, ArenaMapping, create_chunk_file
 from offloadd.config import ConfigError, load_config
+from offloadd.slot_generations import GENERATION_BYTES, SlotGenerations, generations_path
 from offloadd.tier.eviction import ArcPolicy, LruPolicy
 from offloadd.tier.index import BlockState, LayoutIndex, SlotEntry
 

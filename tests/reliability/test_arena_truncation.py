@@ -14,8 +14,8 @@ import pytest
 from events.hashing import to_wire
 from events.schema import BlockRemoved
 from events.state import CacheState
-from offloadd.arena import SlotGenerations
 from offloadd.client import GroupQuery, OffloadClient, OffloadClientError
+from offloadd.slot_generations import SlotGenerations
 from tests.offloadd.conftest import GROUP, SLOT, chain, pattern
 from tests.support.offloadd_proc import DaemonProcess
 
