@@ -47,8 +47,12 @@ def create_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate) -
     @app.get("/health")
     def health() -> dict[str, Any]:
         sched = loop.core.scheduler
+        pool = loop.core.kv.pools[0]  # read from this thread while the loop runs: a moment's figures
         return {"status": "ok", "engine_id": loop.core.config.engine_id, "model": model_name,
-                "requests_running": len(sched.running), "requests_waiting": len(sched.waiting)}
+                "requests_running": len(sched.running), "requests_waiting": len(sched.waiting),
+                "gpu_blocks": pool.num_blocks, "gpu_blocks_free": pool.num_free_blocks,
+                "gpu_blocks_cached": len(pool.hash_to_block),
+                "prefix_holds": sched.holds.num_held, "prefix_holds_dropped": sched.holds.num_dropped}
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:

@@ -11,7 +11,7 @@ hold, so nothing of it is ever counted twice.
 
 Holds are soft: they never keep a request waiting nor get a running one preempted. When the
 admission of the head of the queue, or the growth of a running request, runs short of blocks,
-the holds of the newest waiting requests go first (docs/DECISIONS.md 49).
+the holds of the newest waiting requests go first (docs/DECISIONS.md 54).
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ class PrefixHolds:
         self.enabled = enabled and kv.enable_prefix_caching
         self._held: dict[str, list[list[int]]] = {}
         """Per waiting request with a hold, its held blocks per group; oldest first."""
+        self.num_held = 0
+        """Requests that got a hold (since start)."""
+        self.num_dropped = 0
+        """Holds dropped for other requests' blocks before their admission (since start)."""
 
     def hold(self, req: Request) -> int:
         """Hold the cached prefix of a request being queued; returns how many blocks."""
@@ -34,6 +38,7 @@ class PrefixHolds:
         num_hit, digests = self.kv.find_prefix_hit(req)
         if num_hit:
             self._held[req.request_id] = self.kv.hold_blocks(digests, num_hit)
+            self.num_held += 1
         return num_hit
 
     def release(self, request_id: str) -> bool:
@@ -48,6 +53,7 @@ class PrefixHolds:
         """Drop the hold of the most recently queued request other than ``keep``."""
         for rid in reversed(self._held):
             if rid != keep:
+                self.num_dropped += 1
                 return self.release(rid)
         return False
 
