@@ -32,6 +32,9 @@ GPU tier, never with a delta about blocks it has not announced.
 ``incarnation`` must be new for every life of an engine (the default is time-based): batches of
 a reused incarnation at seqs the daemon already has would be acked as duplicates. When the
 daemon acks a seq beyond any this stream assigned, that reuse is certain and the stream resets.
+It resets too when the daemon answers a batch with RESEND from that very batch (or an earlier
+acked one): the daemon cleared this engine's tier (it took it for departed, perhaps while the
+previous life of a reused incarnation left) and takes no more of this incarnation.
 """
 
 from __future__ import annotations
@@ -298,6 +301,11 @@ class IngestStream:
                 # Batches the daemon acked are gone from its log (and we dropped them): no
                 # resend can fill that gap, so start over instead of resending forever.
                 reset_why = f"daemon asks to resend acked batches from {ack.resend_from}: the log lost them"
+            elif ack.status == _RESEND and ack.resend_from >= ack.seq:
+                # Not a gap (that asks for seqs before the one answered): the daemon will not
+                # take this incarnation from here (it took the engine for departed, or its
+                # incarnation reused), and resending the same batch would be asked again forever.
+                reset_why = f"daemon asks to resend batch {ack.seq} itself: {ack.message}"
             elif ack.status == _REJECTED:
                 reset_why = f"batch {ack.seq} rejected: {ack.message}"
             elif ack.acked_seq >= self._next_seq:

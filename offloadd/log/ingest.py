@@ -14,6 +14,10 @@ Engines need not be registered to publish events (events only; RegisterEngine is
 
 Batches are pipelined (``submit``): the next batch of an incarnation is fenced against the last
 one handed to the log before that one is durable, so one stream's batches share Redis writes.
+Any other batch is fenced against the state once no write is in doubt (``MetadataStore.resolve``
+first): a resend of a batch whose write's reply was lost is then a DUPLICATE, not a second
+record. The log refuses a position it holds itself too (offloadd.log.write_script); a batch
+refused so (``AlreadyLogged``) is answered DUPLICATE.
 The acks are those of handling the batches one at a time, and nothing after a batch that was not
 written is written: its successors are refused as their write is built (``ChainBroken``).
 
@@ -44,7 +48,7 @@ from events.schema import AllBlocksCleared, Event, LogRecord
 from events.state import CacheState
 from offloadd.config import DEFAULT_MAX_ID_BYTES
 from offloadd.log import projection
-from offloadd.log.metadata import Append, MetadataStore, RedisUnavailable
+from offloadd.log.metadata import AlreadyLogged, Append, MetadataStore, RedisUnavailable
 from offloadd.log.projection import Pipe
 from offloadd.tier.source import DAEMON_SOURCE
 
@@ -184,6 +188,9 @@ class Ingest:
                     and batch.seq == chain.last_seq + 1 and not self._problem(batch)):
                 return self._start_append(batch, batch.events, chain)
             await self._settled(batch.engine_id)
+        # A write in doubt may hold this very batch (a resend after a lost reply): fence
+        # against what the log holds, never against memory that has not heard of it yet.
+        await self.metadata.resolve()
         fenced = self._check(batch)
         if isinstance(fenced, Ack):
             return fenced
@@ -258,7 +265,10 @@ class Ingest:
                 del self._chains[batch.engine_id]
         if acked.done():
             return  # the stream that waited for it is gone
-        if exc is not None:
+        if isinstance(exc, AlreadyLogged):  # the log refused it as its twin: a duplicate
+            self.num_duplicate += 1
+            acked.set_result(Ack(AckStatus.DUPLICATE, acked_seq=batch.seq, log_epoch=self.log_epoch))
+        elif exc is not None:
             acked.set_exception(exc)
         else:
             acked.set_result(Ack(AckStatus.APPLIED, acked_seq=batch.seq,
@@ -303,6 +313,7 @@ class Ingest:
         try:
             async with entry.lock:  # fenced one at a time with its batches
                 await self._settled(engine_id)
+                await self.metadata.resolve()  # its last batch may be in a write in doubt
                 return await self._clear_departed(engine_id)
         finally:
             self._let_go(engine_id, entry)
@@ -310,11 +321,11 @@ class Ingest:
     async def _clear_departed(self, engine_id: str) -> LogRecord | None:
         if not self._has_blocks(engine_id):
             return None
-        fence = self.state.fence(engine_id)
         keys = self.metadata.keys
         events: tuple[Event, ...] = (self._clear_all(engine_id),)
 
-        def project(pipe: Pipe) -> None:
+        def project(pipe: Pipe) -> None:  # the fence as the write is built: what the log holds
+            fence = self.state.fence(engine_id)
             if fence is not None:  # the append wrote (0, 0): the fence is unchanged
                 pipe.hset(keys.sources, engine_id, projection.encode(fence))
 

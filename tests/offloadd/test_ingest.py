@@ -200,26 +200,46 @@ def test_removed_events_and_clear(daemon: DaemonProcess, client: OffloadClient) 
     assert replay(client).view() == {("e", "GPU", 0): frozenset({7})}
 
 
-@pytest.mark.xfail(strict=False, reason="known race (session 8 closing note): the second stream's "
-                   "flush timed out once in a full clean-clone run; passes alone")
-def test_reused_incarnation_is_detected(daemon: DaemonProcess, client: OffloadClient) -> None:
+def _cleared(client: OffloadClient, engine_id: str, timeout_s: float = 10.0) -> None:
+    """Until the log holds the daemon's clear of ``engine_id``'s tier (incarnation 0)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(r.source == engine_id and r.incarnation == 0 for r in client.subscribe(1)):
+        assert time.monotonic() < deadline, f"{engine_id} was never cleared"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("second_life", ["before-the-clear", "after-the-clear"])
+def test_reused_incarnation_is_detected(
+    daemon: DaemonProcess, client: OffloadClient, second_life: str,
+) -> None:
+    """A second life of engine "eng" under the same incarnation 7. Before the daemon cleared
+    the first life's tier (its stream is still open), batch 1 is acked as a duplicate of seq 5:
+    the reuse is certain. After the clear, the daemon asks to resend batch 1 itself (it takes
+    no more of incarnation 7). Either way the stream starts a new incarnation, whose blocks
+    are logged."""
     first = IngestStream(daemon.target, "eng", 7)
     for i in range(5):
         first.submit([stored(i)])
     assert first.flush(10)
-    first.close()
-    again = IngestStream(daemon.target, "eng", 7)  # a second life under the same incarnation
+    if second_life == "after-the-clear":
+        first.close()  # departing: the next sweep clears eng's tier
+        _cleared(client, "eng")
+    again = IngestStream(daemon.target, "eng", 7)
     try:
         again.submit([stored(100)])
         assert again.flush(10)
         assert again.num_resets == 1 and again.incarnation > 7
-        assert "incarnation reused" in again.last_error
+        why = "incarnation reused" if second_life == "before-the-clear" else "resend batch 1 itself"
+        assert why in again.last_error
+        first.close()  # a no-op after the clear
         again.submit([stored(101)])
         assert again.flush(10)
         state = replay(client)
         assert state.view() == {("eng", "GPU", 0): frozenset({101})}
+        assert state.fence("eng") == (again.incarnation, 1) and state.violations == []
     finally:
         again.close()
+        first.close()
 
 
 def test_a_pipelined_stream_is_acked_as_if_one_at_a_time(

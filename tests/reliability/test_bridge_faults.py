@@ -40,20 +40,15 @@ def _reduce(records: list[LogRecord]) -> CacheState:
     return state
 
 
-# Known race, open (session 8 closing note): in 1 of 3 full clean-clone runs a publisher's batch
-# was in the log twice after the Redis restart (source_seq 335 twice); 3 of 3 runs alone passed.
-# Quarantined as a non-strict xfail so it still runs and reports XPASS, until it is fixed.
-REDIS_STOP_RACE = pytest.mark.xfail(
-    strict=False, reason="known race: a batch resent across a Redis restart can be logged twice")
-
-
-@pytest.mark.parametrize("fault", [pytest.param("redis-stop", marks=REDIS_STOP_RACE), "bridge-kill9"])
+@pytest.mark.parametrize("fault", ["redis-stop", "bridge-kill9"])
 def test_pipeline_fault_under_load(own_redis: RedisProcess, tmp_path: Path, namespace: str, fault: str) -> None:
     """Injected: Redis stopped for ~1.5 s (or the bridge SIGKILLed for ~1.5 s) while two
     publishers stream events, a storer stores blocks, and a subscriber follows the bridge.
-    Checked: every batch in the log exactly once and in order; each publisher's GPU tier equals
-    its own; committed blocks served with their writer's bytes; the live subscriber (gaps
-    filled by replay) equals a full replay of the log equals the daemon's Snapshot."""
+    Checked: every batch in the log exactly once and in order (a batch resent after its
+    write's reply was lost is a duplicate: tests/offloadd/test_exactly_once.py); each
+    publisher's GPU tier equals its own; committed blocks served with their writer's bytes; the
+    live subscriber (gaps filled by replay) equals a full replay of the log equals the daemon's
+    Snapshot."""
     daemon = DaemonProcess(tmp_path / "d", own_redis.url, namespace, capacity_bytes=16 << 20)
     daemon.start()
     bridge = BridgeProcess(own_redis.url, tmp_path / "bridge", "--start", "beginning", namespace=namespace)

@@ -1,0 +1,187 @@
+"""The reads of a namespace's log and projection: records for subscribers and replays, and
+everything recovery reads (:class:`Persisted`).
+
+A key of the wrong type, an undecodable value or a log entry that is not a record raises
+ForeignData: one line naming it and the kvctl command that inspects and repairs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from redis.exceptions import RedisError, ResponseError
+
+from events.logkeys import LogKeys
+from events.records import RECORD_FIELD, decode_record, entry_id
+from events.schema import LogRecord, SchemaError
+from offloadd.errors import ForeignData, OffloaddError
+from offloadd.log import projection
+from offloadd.log.log_errors import RedisUnavailable
+from offloadd.log.projection import EngineRecord, LayoutRecord, ProjectedBlock
+from rpc.redis_connect import client_url
+
+_record_decoder = msgspec.msgpack.Decoder(LogRecord)  # events.records' format, unvalidated
+
+
+@dataclass
+class Persisted:
+    """Everything recovery reads from Redis except the log itself."""
+
+    head: int
+    daemon: dict[str, str]
+    sources: dict[str, tuple[int, int]]
+    layouts: list[LayoutRecord]
+    engines: list[EngineRecord]
+    blocks: dict[int, dict[bytes, ProjectedBlock]]
+
+
+class LogReads:
+    """Reads of ``keys`` through ``client`` (the base of offloadd.log.metadata.MetadataStore)."""
+
+    def __init__(self, client: Any, keys: LogKeys) -> None:
+        self.client: Any = client  # redis-py's stubs type replies as unions; we read bytes
+        self.keys = keys
+
+    def repair_hint(self) -> str:
+        """The kvctl commands that inspect and repair this namespace's keys."""
+        url = client_url(self.client)
+        ns = self.keys.namespace
+        return (f"inspect with 'kvctl verify {url} --namespace {ns}', remove foreign data with "
+                f"'kvctl repair {url} --namespace {ns} --drop-foreign'")
+
+    async def read_range(self, start: int, count: int, validate: bool = True) -> list[LogRecord]:
+        """Records from offset ``start`` on. ``validate=False`` is for replays into the reducer,
+        which validates every event itself (and records, rather than raises, what is wrong).
+        An entry that is not one of our records (no field, undecodable, wrong ID) raises
+        ForeignData naming it."""
+        try:
+            entries = await self.client.xrange(self.keys.log, entry_id(max(1, start)), "+", count=count)
+        except (RedisError, OSError) as exc:
+            raise self._read_error(exc, self.keys.log) from exc
+        return [self._decode_entry(eid, fields, validate) for eid, fields in entries]
+
+    def _decode_entry(self, eid: bytes, fields: dict[bytes, bytes], validate: bool) -> LogRecord:
+        data = fields.get(RECORD_FIELD)
+        name = eid.decode(errors="replace")
+        if data is None:
+            why = f"field {next(iter(fields), b'')!r}"
+        else:
+            try:
+                record = decode_record(data) if validate else _record_decoder.decode(data)
+            except (msgspec.DecodeError, SchemaError) as exc:
+                why = f"undecodable: {exc}"
+            else:
+                if entry_id(record.offset) == name:
+                    return record
+                why = f"it holds offset {record.offset}"
+        raise ForeignData(f"log entry {name} of {self.keys.log} is not a record ({why}); "
+                          f"{self.repair_hint()}")
+
+    def _read_error(self, exc: BaseException, key: str) -> OffloaddError:
+        if isinstance(exc, ResponseError) and str(exc).startswith("WRONGTYPE"):
+            return ForeignData(f"WRONGTYPE: key {key} holds a value of another type; "
+                               f"{self.repair_hint()}")
+        return RedisUnavailable(f"Redis unreachable: {exc}")
+
+    async def iter_log(self, page: int = 2000, start: int = 1) -> AsyncIterator[list[LogRecord]]:
+        """The log from offset ``start`` on, page by page; the next page is fetched while the
+        caller works."""
+        nxt = asyncio.ensure_future(self.read_range(start, page, validate=False))
+        while True:
+            records = await nxt
+            if not records:
+                return
+            nxt = asyncio.ensure_future(
+                self.read_range(records[-1].offset + 1, page, validate=False)
+            )
+            try:
+                yield records
+            except BaseException:
+                nxt.cancel()
+                raise
+
+    async def log_bounds(self) -> tuple[int, int]:
+        """``(oldest retained offset, number of records)`` of the log; (0, 0) when empty."""
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.xrange(self.keys.log, "-", "+", count=1)
+                pipe.xlen(self.keys.log)
+                first, length = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise self._read_error(exc, self.keys.log) from exc
+        return (int(first[0][0].split(b"-")[0]) if first else 0), int(length)
+
+    async def load(self) -> Persisted:
+        k = self.keys
+        await self._check_types({k.head: "string", k.daemon: "hash", k.sources: "hash",
+                                 k.layouts: "hash", k.engines: "hash", k.log: "stream"})
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.get(k.head)
+                pipe.hgetall(k.daemon)
+                pipe.hgetall(k.sources)
+                pipe.hgetall(k.layouts)
+                pipe.hgetall(k.engines)
+                head, daemon, sources, layouts, engines = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise RedisUnavailable(f"Redis unreachable during recovery: {exc}") from exc
+        layout_recs = list(self._decode_all(k.layouts, layouts, projection.decode_layout).values())
+        blocks: dict[int, dict[bytes, ProjectedBlock]] = {}
+        await self._check_types({k.blocks(rec.layout_id): "hash" for rec in layout_recs})
+        try:
+            for rec in layout_recs:
+                rows: dict[bytes, ProjectedBlock] = {}
+                cursor = 0
+                while True:  # paged, so no single reply is large enough to hit the timeout
+                    cursor, page = await self.client.hscan(k.blocks(rec.layout_id), cursor, count=20_000)
+                    rows.update(self._decode_all(k.blocks(rec.layout_id), page,
+                                                 projection.decode_block, text=False))
+                    if cursor == 0:
+                        break
+                blocks[rec.layout_id] = rows
+        except (RedisError, OSError) as exc:
+            raise RedisUnavailable(f"Redis unreachable during recovery: {exc}") from exc
+        if head is not None and not head.isdigit():
+            raise ForeignData(f"key {k.head} holds {head[:40]!r}, not an offset; {self.repair_hint()}")
+        return Persisted(
+            head=int(head or 0),
+            daemon=self._decode_all(k.daemon, daemon, bytes.decode),
+            sources=self._decode_all(k.sources, sources, projection.decode_position),
+            layouts=layout_recs,
+            engines=list(self._decode_all(k.engines, engines, projection.decode_engine).values()),
+            blocks=blocks,
+        )
+
+    async def _check_types(self, want: dict[str, str]) -> None:
+        """ForeignData naming the first key whose type is not the one we write there."""
+        if not want:
+            return
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key in want:
+                    pipe.type(key)
+                kinds = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise RedisUnavailable(f"Redis unreachable during recovery: {exc}") from exc
+        for (key, expected), kind in zip(want.items(), kinds, strict=True):
+            if kind.decode() not in ("none", expected):
+                raise ForeignData(f"WRONGTYPE: key {key} is a {kind.decode()}, expected a "
+                                  f"{expected}; {self.repair_hint()}")
+
+    def _decode_all(
+        self, key: str, rows: dict[bytes, bytes], decode: Callable[[bytes], Any], text: bool = True,
+    ) -> dict[Any, Any]:
+        """``{field: decode(value)}``, fields as str when ``text``; ForeignData names the
+        first field that does not decode."""
+        out: dict[Any, Any] = {}
+        for f, v in rows.items():
+            try:
+                out[f.decode() if text else f] = decode(v)
+            except (msgspec.DecodeError, UnicodeDecodeError, ValueError) as exc:
+                raise ForeignData(f"field {f[:60]!r} of {key} does not decode ({exc}); "
+                                  f"{self.repair_hint()}") from exc
+        return out
