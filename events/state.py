@@ -8,7 +8,7 @@ log is recorded as a :class:`Violation` so that replays can report it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, KeysView, Mapping, Sequence
 from types import MappingProxyType
 from typing import Final
 
@@ -29,6 +29,7 @@ from events.state_tier import BlockEntry, Tier, TierView, store
 TIER_WEIGHTS: Final[Mapping[Medium, float]] = MappingProxyType({"GPU": 1.0, "CPU": 0.8})
 
 _EMPTY: Final[Mapping[int, BlockEntry]] = MappingProxyType({})
+_NO_KEYS: Final[KeysView[int]] = {}.keys()
 
 
 class Violation(msgspec.Struct, frozen=True):
@@ -162,6 +163,12 @@ class CacheState:
     def blocks(self, source: str, medium: Medium, group_idx: int = 0) -> Mapping[int, BlockEntry]:
         tier = self._tiers.get(source, {}).get((medium, group_idx))
         return _EMPTY if tier is None else TierView(tier)
+
+    def resident(self, source: str, medium: Medium, group_idx: int = 0) -> KeysView[int]:
+        """The tier's hashes, live and read-only: a membership test in C, for hot paths (the
+        router scores every engine per request) where ``blocks`` would build entries."""
+        tier = self._tiers.get(source, {}).get((medium, group_idx))
+        return _NO_KEYS if tier is None else tier.keys()
 
     def has(self, source: str, medium: Medium, block_hash: int, group_idx: int = 0) -> bool:
         tier = self._tiers.get(source, {}).get((medium, group_idx))

@@ -72,6 +72,7 @@ def create_app(router: Router) -> FastAPI:
                 await grpc_front[0].stop(5)
                 await grpc_front[1].close()
             await router.client.aclose()
+            router.close()
 
     app = FastAPI(title="kv-router", summary="KV-aware router with an OpenAI-compatible API",
                   docs_url=None, redoc_url=None, lifespan=lifespan)

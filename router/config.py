@@ -97,6 +97,9 @@ class RouterConfig:
     """Score per cached token in the node's host tier (loaded, not recomputed, but copied)."""
     load_weight: float = 64.0
     """Score taken off per request in flight on the engine (in cached-token units)."""
+    model_pressure: bool = True
+    """Predict the GPU prefix expected at admission: the view, plus this router's finished
+    requests not yet in it, minus the evictions its pending requests will cause (router.pressure)."""
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
     request_timeout_s: float = 600.0

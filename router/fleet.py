@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import httpx2
 
+from events.schema import BlockHash
 from router.config import EngineSpec
+from router.pressure import Pressure
 
 log = logging.getLogger("kv-router")
 
@@ -33,6 +36,8 @@ class EngineState:
     gpu_hit_tokens: int = 0
     cpu_hit_tokens: int = 0
     failures: int = 0
+    pressure: Pressure = field(default_factory=Pressure)
+    """This router's requests on the engine against its pool (router.pressure)."""
 
     @property
     def name(self) -> str:
@@ -43,6 +48,20 @@ class EngineState:
         """What the policies weigh: this router's requests on it (the router is the front door;
         the engine's own queue depth, seen once a health interval, is shown, not scored)."""
         return self.in_flight
+
+    def begin(self, request_id: str, hashes: Sequence[BlockHash], gpu_blocks: int) -> None:
+        """A request goes to the engine, ``gpu_blocks`` of its ``hashes`` predicted in its GPU tier."""
+        self.in_flight += 1
+        self.pressure.started(request_id, hashes, gpu_blocks)
+
+    def first_token(self, request_id: str) -> None:
+        """The engine sent the request's first token: its prompt is computed (router.pressure)."""
+        self.pressure.prefilled(request_id)
+
+    def end(self, request_id: str) -> None:
+        """The request is done on the engine (finished, failed or given up)."""
+        self.in_flight -= 1
+        self.pressure.finished(request_id)
 
     def report(self, prompt_tokens: int, gpu: int, cpu: int) -> None:
         self.requests += 1
@@ -92,3 +111,5 @@ class Fleet:
         engine.healthy, engine.last_error = True, ""
         waiting = body.get("requests_waiting")
         engine.engine_waiting = waiting if isinstance(waiting, int) and waiting >= 0 else 0
+        pool = body.get("gpu_blocks")  # our engines say; others do not (the view is used as is)
+        engine.pressure.pool_blocks = pool if type(pool) is int and pool > 0 else 0

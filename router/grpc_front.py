@@ -59,8 +59,8 @@ class GenerateFront:
                                 f"not a valid {generate_pb2.GenerateRequest.DESCRIPTOR.full_name}: {exc}")
         r = self.router
         kind = request.WhichOneof("prompt")
-        ids = r.encode(request.text) if kind == "text" else list(request.token_ids.ids)
-        hashes = r.hashes(ids)
+        hashes = await r.off_loop(lambda: r.hashes(r.encode(request.text) if kind == "text"
+                                                   else list(request.token_ids.ids)))
         tried: set[str] = set()
         errors: list[str] = []
         for _attempt in range(r.config.max_attempts):
@@ -70,12 +70,14 @@ class GenerateFront:
             engine = decision.engine
             tried.add(engine.name)
             entry = r.record(decision)
-            engine.in_flight += 1
+            engine.begin(entry["request_id"], hashes, decision.gpu_blocks)
             call = self._stub(engine.spec.grpc).Generate(request, timeout=r.config.request_timeout_s)
             sent = False
             try:
                 last = None
                 async for msg in call:
+                    if not sent:
+                        engine.first_token(entry["request_id"])
                     sent = True
                     last = msg
                     yield msg
@@ -91,7 +93,7 @@ class GenerateFront:
                 entry["reason"] += " (failed, retried)"
                 r.retries += 1
             finally:
-                engine.in_flight -= 1
+                engine.end(entry["request_id"])
                 call.cancel()
         await context.abort(grpc.StatusCode.UNAVAILABLE,
                             "no engine could take the request: " + ("; ".join(errors) or "no engine is in rotation"))

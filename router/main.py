@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-weight", type=float, default=d.cpu_weight, help="score per host-tier cached token")
     p.add_argument("--load-weight", type=float, default=d.load_weight,
                    help="score taken off per request in flight on an engine")
+    p.add_argument("--no-pressure-model", action="store_true",
+                   help="predict an engine's cached prefix from the event view alone (by default the "
+                        "router adds its finished requests' blocks not yet in the view and takes off the "
+                        "blocks its requests in flight will evict, from the pool size in the engines' /health)")
     p.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
     p.add_argument("--max-attempts", type=int, default=d.max_attempts,
@@ -75,7 +79,8 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         bridge_pub=a.bridge_pub,
         bridge_replay=a.bridge_replay, topic=a.topic, model_dir=a.model, served_model_name=a.served_model_name,
         block_size=a.block_size, hash_seed=a.hash_seed, hash_algo=a.hash_algo, gpu_weight=a.gpu_weight,
-        cpu_weight=a.cpu_weight, load_weight=a.load_weight, health_interval_s=a.health_interval_s,
+        cpu_weight=a.cpu_weight, load_weight=a.load_weight, model_pressure=not a.no_pressure_model,
+        health_interval_s=a.health_interval_s,
         request_timeout_s=a.request_timeout_s, max_attempts=a.max_attempts, seed=a.seed,
     )
 

@@ -30,7 +30,8 @@ class RouterCollector(Collector):
             decisions.add_metric([reason, engine], n)
         yield decisions
         outcomes = CounterMetricFamily("kv_router_predictions",
-                                       "Requests by prediction outcome (agree, event_lag, hash_mismatch, eviction_race)",
+                                       "Requests by prediction outcome (agree, event_lag, hash_mismatch, eviction_race, "
+                                       "eviction_overestimate)",
                                        labels=["outcome"])
         for outcome, n in t.outcomes.items():
             outcomes.add_metric([outcome], n)

@@ -5,6 +5,10 @@ tier (``g``), then, from there on, those in its node's host tier (``c``), as the
 admits a request (GPU prefix hit first, then a host-tier load of what follows). Its score is
 ``block_size * (gpu_weight * g + cpu_weight * c) - load_weight * in_flight``; the best score
 wins, ties go to the less loaded, then in turn. ``g + c`` blocks are the predicted cached prefix.
+
+With ``model_pressure`` the GPU run is the one expected at the engine's admission rather than
+the one in the view (router.pressure): longer by this router's finished requests whose events
+are still on their way, shorter by the evictions its requests in flight will cause first.
 """
 
 from __future__ import annotations
@@ -33,22 +37,41 @@ class Decision:
     """Predicted leading blocks in the engine's GPU tier."""
     cpu_blocks: int
     """Predicted blocks after those, in its node's host tier."""
+    at_risk_blocks: int = 0
+    """GPU blocks of the view's run expected to be evicted before the admission (not predicted)."""
 
 
-def prefix_run(state: CacheState, hashes: Sequence[BlockHash], engine: EngineState) -> tuple[int, int]:
-    """``(g, c)``: leading blocks in the engine's GPU tier, then in its node's host tier."""
-    gpu = state.blocks(engine.spec.source, "GPU")
+def prefix_run(state: CacheState, hashes: Sequence[BlockHash], engine: EngineState,
+               pressure: bool = False) -> tuple[int, int]:
+    """``(g, c)``: leading blocks in the engine's GPU tier, then in its node's host tier;
+    ``pressure``: the GPU run expected at admission (router.pressure), not the view's."""
+    g, c, _ = _runs(state, hashes, engine, pressure)
+    return g, c
+
+
+def _runs(state: CacheState, hashes: Sequence[BlockHash], engine: EngineState,
+          pressure: bool, cpu_ends: dict[tuple[str, int], int] | None = None) -> tuple[int, int, int]:
+    """``(g, c, at_risk)``; ``cpu_ends`` remembers host-tier runs across the engines of a node."""
+    gpu = state.resident(engine.spec.source, "GPU")
     g = 0
     n = len(hashes)
     if gpu:
         while g < n and hashes[g] in gpu:
             g += 1
-    cpu = state.blocks(engine.spec.node_source, "CPU")
-    c = g
-    if cpu:
-        while c < n and hashes[c] in cpu:
-            c += 1
-    return g, c - g
+    seen = g
+    if pressure:
+        g = engine.pressure.surviving(gpu, hashes, g)
+    node = engine.spec.node_source
+    c = cpu_ends.get((node, g)) if cpu_ends is not None else None
+    if c is None:
+        cpu = state.resident(node, "CPU")
+        c = g
+        if cpu:
+            while c < n and hashes[c] in cpu:
+                c += 1
+        if cpu_ends is not None:
+            cpu_ends[(node, g)] = c
+    return g, c - g, max(0, seen - g)
 
 
 class Chooser:
@@ -73,8 +96,8 @@ class Chooser:
         else:
             engine = min(order, key=lambda e: e.load)
             reason = "least_loaded" if policy == "least-loaded" else "no_cache_view"
-        g, c = prefix_run(state, hashes, engine) if state is not None else (0, 0)
-        return Decision(engine, reason, g, c)
+        g, c, risk = _runs(state, hashes, engine, self.config.model_pressure) if state is not None else (0, 0, 0)
+        return Decision(engine, reason, g, c, risk)
 
     def _in_turn(self, candidates: list[EngineState]) -> list[EngineState]:
         k = self._turn % len(candidates)
@@ -85,20 +108,21 @@ class Chooser:
         cfg = self.config
         gpu_w, cpu_w = cfg.block_size * cfg.gpu_weight, cfg.block_size * cfg.cpu_weight
         best: tuple[float, int] | None = None
-        chosen: Decision | None = None
+        chosen = (order[0], 0, 0, 0)
         longest = 0
+        cpu_ends: dict[tuple[str, int], int] = {}
         for engine in order:
-            g, c = prefix_run(state, hashes, engine)
+            g, c, risk = _runs(state, hashes, engine, cfg.model_pressure, cpu_ends)
             longest = max(longest, g + c)
-            key = (gpu_w * g + cpu_w * c - cfg.load_weight * engine.load, -engine.load)
+            load = engine.load
+            key = (gpu_w * g + cpu_w * c - cfg.load_weight * load, -load)
             if best is None or key > best:
-                best, chosen = key, Decision(engine, "", g, c)
-        assert chosen is not None
-        got = chosen.gpu_blocks + chosen.cpu_blocks
-        if got < longest:
+                best, chosen = key, (engine, g, c, risk)
+        engine, g, c, risk = chosen
+        if g + c < longest:
             reason = "load"
-        elif got == 0:
+        elif g + c == 0:
             reason = "no_prefix"
         else:
-            reason = "gpu_prefix" if chosen.gpu_blocks else "cpu_prefix"
-        return Decision(chosen.engine, reason, chosen.gpu_blocks, chosen.cpu_blocks)
+            reason = "gpu_prefix" if g else "cpu_prefix"
+        return Decision(engine, reason, g, c, risk)

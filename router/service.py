@@ -4,19 +4,21 @@ prefix the engine reports with the predicted one (router.truth)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx2
 from fastapi.responses import Response, StreamingResponse
 
-from events.hashing import BlockHasher, to_wire
+from events.hashing import BlockHasher
 from events.prompt import (
     ChatMessage,
     ChatTemplate,
@@ -25,6 +27,7 @@ from events.prompt import (
 )
 from events.schema import BlockHash
 from events.tokenizer import Tokenizer, load_tokenizer
+from router.block_hashes import PromptHasher
 from router.config import RouterConfig
 from router.fleet import EngineState, Fleet
 from router.follower import Follower
@@ -77,6 +80,9 @@ class Router:
         self.truth = Truth()
         self.timings = Timings()
         self.hasher = BlockHasher(config.hash_seed, config.block_size, config.hash_algo)
+        self.prompt_hasher = PromptHasher(self.hasher)
+        self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="router-hash")
+        """Tokenizing and hashing a prompt, off the event loop (it relays the other streams)."""
         self.tokenizer: Tokenizer = load_tokenizer(config.model_dir)
         self.chat: ChatTemplate = load_chat_template(config.model_dir) if config.model_dir else ChatTemplate()
         self.retries = 0
@@ -102,9 +108,17 @@ class Router:
         """The blocks an engine can reuse: every full block but the one holding the last token."""
         bs = self.config.block_size
         n = max(len(token_ids) - 1, 0) // bs
-        if n == 0 or any(t < 0 for t in token_ids[: n * bs]):
-            return []  # nothing to reuse, or ids the engine refuses anyway
-        return [to_wire(d) for d in self.hasher.hash_blocks(token_ids[: n * bs])]
+        if n == 0:
+            return []
+        return self.prompt_hasher.wire(token_ids[: n * bs])
+
+    async def off_loop(self, prepare: Callable[[], list[BlockHash]]) -> list[BlockHash]:
+        """Run ``prepare`` (tokenize and hash a prompt) on the hashing thread: the event loop
+        meanwhile relays the other requests' streams."""
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, prepare)
+
+    def close(self) -> None:
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     def decide(self, hashes: list[BlockHash], tried: set[str], *, grpc: bool = False) -> Decision | None:
         """``grpc``: only engines with a Generate target."""
@@ -119,8 +133,13 @@ class Router:
     def record(self, decision: Decision) -> dict[str, Any]:
         """A decision under a new request id, kept for the truth and the fleet page."""
         rid = f"{self._prefix}-{next(self._ids)}"
-        predicted = (decision.gpu_blocks + decision.cpu_blocks) * self.config.block_size
-        return self.truth.decided(rid, decision.engine.name, decision.reason, predicted)
+        bs = self.config.block_size
+        predicted = (decision.gpu_blocks + decision.cpu_blocks) * bs
+        if decision.at_risk_blocks:
+            log.info("%s: %d GPU blocks of the view on %s expected evicted before the admission; predicting %d",
+                     rid, decision.at_risk_blocks, decision.engine.name, decision.gpu_blocks)
+        return self.truth.decided(rid, decision.engine.name, decision.reason, predicted,
+                                  decision.at_risk_blocks * bs)
 
     def _predicted_now(self, engine: EngineState, hashes: list[BlockHash]) -> int:
         if self.follower is None:
@@ -136,7 +155,7 @@ class Router:
     async def route(self, path: str, body: dict[str, Any],
                     req: CompletionRequest | ChatCompletionRequest) -> Response:
         start = time.perf_counter()
-        hashes = self.hashes(self.prompt_ids(req))
+        hashes = await self.off_loop(lambda: self.hashes(self.prompt_ids(req)))
         wants_usage = req.include_usage
         if req.stream:  # the router reads the engine's usage chunk; the client gets it if asked
             body = {**body, "stream_options": {"include_usage": True}}
@@ -156,13 +175,13 @@ class Router:
             engine = decision.engine
             tried.add(engine.name)
             entry = self.record(decision)
-            engine.in_flight += 1
+            engine.begin(entry["request_id"], hashes, decision.gpu_blocks)
             try:
                 if req.stream:
                     return await self._stream(engine, path, content, entry["request_id"], entry, hashes, wants_usage)
                 return await self._whole(engine, path, content, entry["request_id"], entry, hashes)
             except (httpx2.TransportError, EngineFailed) as exc:
-                engine.in_flight -= 1
+                engine.end(entry["request_id"])
                 why = f"{type(exc).__name__}: {exc}"
                 engine.take_out(why)
                 errors.append(f"{engine.name}: {why}")
@@ -185,7 +204,7 @@ class Router:
                                       timeout=self.config.request_timeout_s)
         if resp.status_code >= 500:
             raise EngineFailed(f"answered {resp.status_code}: {resp.text[:200]}")
-        engine.in_flight -= 1
+        engine.end(entry["request_id"])
         if resp.status_code == 200:
             self._report(engine, entry, hashes, _json(resp.content))
         return Response(resp.content, resp.status_code, media_type="application/json",
@@ -201,7 +220,7 @@ class Router:
             await resp.aclose()
             if resp.status_code >= 500:
                 raise EngineFailed(f"answered {resp.status_code}: {body[:200]!r}")
-            engine.in_flight -= 1
+            engine.end(entry["request_id"])
             return Response(body, resp.status_code, media_type="application/json",
                             headers=self._route_headers(entry))
         events = sse_events(resp.aiter_bytes())
@@ -210,6 +229,7 @@ class Router:
             async for ev in events:
                 held.append(ev)
                 if ev.carries_output:
+                    engine.first_token(entry["request_id"])
                     break
             else:
                 raise EngineFailed("the stream ended before any output")
@@ -233,7 +253,7 @@ class Router:
             engine.take_out(f"stream broke: {exc}")
             yield sse(OpenAIError(502, f"engine {engine.name} failed mid-stream: {exc}", "engine_error").body())
         finally:
-            engine.in_flight -= 1
+            engine.end(entry["request_id"])
             await resp.aclose()
 
     def _pass(self, engine: EngineState, ev: SseEvent, entry: dict[str, Any], hashes: list[BlockHash],

@@ -38,8 +38,9 @@ class Engine:
 
     def __init__(self) -> None:
         self.usage: Any = None
+        self.health: dict[str, Any] = {"status": "ok"}
         app = FastAPI()
-        app.get("/health")(lambda: {"status": "ok"})
+        app.get("/health")(lambda: self.health)
 
         @app.post("/v1/completions")
         async def completions(body: dict[str, Any]) -> Response:
@@ -87,6 +88,20 @@ def test_odd_usage_is_read_as_nothing_cached(engine: Engine, odd: Any) -> None:
                                               "stream_options": {"include_usage": True}})
     assert status == 200 and b'"text":"hi"' in content and content.endswith(SSE_DONE)
     assert router.fleet.by_name["e"].in_flight == 0
+
+
+@pytest.mark.parametrize(("gpu_blocks", "pool"), [(128, 128), ("128", 0), (-5, 0), (True, 0), (None, 0)])
+def test_the_pool_size_for_the_pressure_model_comes_from_health(engine: Engine, gpu_blocks: Any, pool: int) -> None:
+    """Our engines report their pool; another engine's /health (or a garbled one) turns the
+    pressure model off for it, and requests still go through."""
+    engine.health = {"status": "ok", "gpu_blocks": gpu_blocks}
+    engine.usage = usage(18, 1, 8, 0)
+    try:
+        status, _content, router = _route(engine, {"prompt": "hello there router, " * 4, "max_tokens": 1})
+    finally:
+        engine.health = {"status": "ok"}
+    e = router.fleet.by_name["e"]
+    assert status == 200 and e.pressure.pool_blocks == pool and e.in_flight == 0
 
 
 def test_well_formed_usage_is_counted(engine: Engine) -> None:
