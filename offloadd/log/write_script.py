@@ -9,7 +9,7 @@ record whose ``(incarnation, seq)`` is not beyond the position the sources hash 
 source (the same position again, an earlier seq, an older incarnation) is refused (DECISIONS
 52): the log holds that position of the source or a later one. Incarnation 0 (a departure's clear, offloadd.log.ingest) is not
 fenced. Positions are msgpack ``[incarnation, seq]`` (offloadd.log.projection); the script
-compares them as fixed-width hex, exactly, where Lua's doubles would round above 2**53.
+reads each integer as two 32-bit halves, exact where Lua's doubles would round above 2**53.
 """
 
 from __future__ import annotations
@@ -61,28 +61,34 @@ local sizes = {[0xcc] = 1, [0xcd] = 2, [0xce] = 4, [0xcf] = 8}
 local function uint(s, i)
   local b = string.byte(s, i)
   if b == nil then return nil end
-  if b < 0x80 then return string.format('%016x', b), i + 1 end
+  if b < 0x80 then return 0, b, i + 1 end
   local size = sizes[b]
   if size == nil or #s < i + size then return nil end
-  local hex = ''
-  for j = i + 1, i + size do hex = hex .. string.format('%02x', string.byte(s, j)) end
-  return string.rep('0', 16 - #hex) .. hex, i + 1 + size
+  local hi, lo = 0, 0
+  for j = i + 1, i + size - 4 do hi = hi * 256 + string.byte(s, j) end
+  for j = math.max(i + 1, i + size - 3), i + size do lo = lo * 256 + string.byte(s, j) end
+  return hi, lo, i + 1 + size
 end
 local function position(s)
   if string.byte(s, 1) ~= 0x92 then return nil end
-  local inc, i = uint(s, 2)
-  if inc == nil then return nil end
-  local seq = uint(s, i)
-  if seq == nil then return nil end
-  return {inc, seq}
+  local ih, il, i = uint(s, 2)
+  if ih == nil then return nil end
+  local sh, sl = uint(s, i)
+  if sh == nil then return nil end
+  return {ih, il, sh, sl}
 end
-local unfenced = string.rep('0', 16)
+local function not_beyond(new, cur)
+  for k = 1, 4 do
+    if new[k] ~= cur[k] then return new[k] < cur[k] end
+  end
+  return true
+end
 local at = {}
 for r = 0, n - 1 do
   local b = 5 + 4 * r
   local src, new = ARGV[b + 2], position(ARGV[b + 3])
   if new == nil then return {'badpos', 'ARGV', src} end
-  if new[1] ~= unfenced then
+  if new[1] ~= 0 or new[2] ~= 0 then
     local cur = at[src]
     if cur == nil and kind(3) == 'hash' then
       local raw = redis.call('HGET', KEYS[3], src)
@@ -91,9 +97,7 @@ for r = 0, n - 1 do
         if cur == nil then return {'badpos', KEYS[3], src} end
       end
     end
-    if cur and (new[1] < cur[1] or (new[1] == cur[1] and new[2] <= cur[2])) then
-      return {'logged', tostring(r), src}
-    end
+    if cur and not_beyond(new, cur) then return {'logged', tostring(r), src} end
     at[src] = new
   end
 end
