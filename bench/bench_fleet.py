@@ -15,11 +15,19 @@ Two real daemons on loopback (two nodes' namespaces on one Redis). Node A holds 
   an engine's Lookup of the chain misses locally and daemon B reads it from A and stores it
   before answering (timed: that one Lookup);
 - **fill_block_port**: the same with A's ``--fleet-block-port`` (raw TCP, sendfile from the
-  arena files; the peer named ``...@PORT``);
+  arena files; the peer named ``...@PORT``): one request pins and sends the chain, the bytes
+  are received straight into B's reserved slots (offloadd.fleet.port_fill);
+- **fill_block_port_warm**: the same on a full node whose arena pages were written before
+  (it first filled another chain and evicts it): steady state, no first touch of tmpfs pages;
 - **readblocks**: the ReadBlocks stream from A alone (what the network part costs);
 - **block_port_read**: the same blocks read from A's block port alone;
 - **bare gRPC**: a server streaming the same bytes in messages of one block each;
-- **bare TCP**: one socket sending the same bytes, the reader receiving into one buffer.
+- **bare TCP**: one socket sending the same bytes, the reader receiving into one buffer (the
+  baseline of every ratio);
+- **bare TCP, other process**: the same with the sender in a child process (``sendfile``
+  from a file), as the peer's daemon is: what the process boundary alone costs;
+- **bare TLS**: the same bytes over TLS (Python's ssl), threads as in bare TCP: the most a
+  block port under TLS could reach (DECISIONS 55).
 
 Rates are MB/s of block bytes; ratios against bare TCP (the issue's goal: fetch >= 0.7x).
 """
@@ -30,20 +38,17 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import grpc
+
+from bench_fleet_baselines import bare_grpc, bare_tcp, bare_tcp_other_process, bare_tls
 
 from offloadd.client import BlockToStore, GroupQuery, GroupSpec, OffloadClient
 from offloadd.client.fleet_fetch import fetch_prefix
@@ -53,24 +58,30 @@ from tests.support.redis_proc import RedisProcess, free_port
 from tests.support.synthetic_engine import block_bytes, digest
 
 
-def _fill(target: str, group: GroupSpec, n: int) -> list[BlockToStore]:
-    chain = [BlockToStore(digest("bench", i), digest("bench", i - 1) if i else None, tuple(range(i, i + 16)))
+def _fill(target: str, group: GroupSpec, n: int, name: str = "bench") -> list[BlockToStore]:
+    chain = [BlockToStore(digest(name, i), digest(name, i - 1) if i else None, tuple(range(i, i + 16)))
              for i in range(n)]
     with OffloadClient(target, timeout_s=60) as c:
-        arena = c.register_engine("filler", 1, "bench", [group]).map_arena(0)
+        arena = c.register_engine(f"filler-{name}", 1, "bench", [group]).map_arena(0)
         for at in range(0, n, 64):
             part = chain[at:at + 64]
-            res = c.reserve("filler", 0, part)
+            res = c.reserve(f"filler-{name}", 0, part)
             for blk, (_, slot) in zip(part, res.blocks, strict=True):
                 arena.write(slot, block_bytes(blk.block_hash, group.block_bytes))
-            c.commit("filler", res.reservation_id)
+            c.commit(f"filler-{name}", res.reservation_id)
         arena.close()
     return chain
 
 
 def _fill_lookup(work: Path, redis_url: str, namespace: str, peer: str, group: GroupSpec,
-                 capacity: int, chain: list[BlockToStore], started: list[DaemonProcess]) -> float:
-    """Seconds of one engine Lookup on a fresh node that its daemon fills from node A."""
+                 capacity: int, chain: list[BlockToStore], started: list[DaemonProcess],
+                 warm: list[BlockToStore] | None = None) -> float:
+    """Seconds of one engine Lookup on a fresh node that its daemon fills from node A. With
+    ``warm``: the node holds just one chain and first filled ``warm`` from A, so the timed fill
+    evicts it and reuses arena pages written before (a full node in steady state) instead of
+    touching fresh tmpfs pages (which cost about as much as the transfer here)."""
+    if warm is not None:
+        capacity = len(chain) * group.block_bytes
     c = DaemonProcess(work, redis_url, namespace, capacity_bytes=capacity, extra_args=(
         "--log-level", "WARNING", "--max-request-hashes", "100000", "--fleet-peers",
         peer, "--fleet-timeout-s", "60", "--fleet-refresh-ms", "20"))
@@ -80,63 +91,14 @@ def _fill_lookup(work: Path, redis_url: str, namespace: str, peer: str, group: G
     with OffloadClient(c.target, timeout_s=120) as local:
         local.register_engine("c-eng", 1, "bench", [group])
         time.sleep(1.0)  # c's fleet index has read a's log
+        if warm is not None:
+            first = local.lookup("c-eng", [GroupQuery(0, tuple(b.block_hash for b in warm))])
+            assert first.results[0].num_prefix == len(warm), first
         t0 = time.perf_counter()
         hit = local.lookup("c-eng", query).results[0].num_prefix
         dt = time.perf_counter() - t0
     assert hit == len(chain), hit
     c.kill()
-    return dt
-
-
-def _bare_grpc(payloads: list[bytes]) -> float:
-    def stream(_req: bytes, _ctx: Any) -> Iterator[bytes]:
-        yield from payloads
-
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    handler = grpc.method_handlers_generic_handler("bench.Bytes", {
-        "Stream": grpc.unary_stream_rpc_method_handler(stream)})
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            call = ch.unary_stream("/bench.Bytes/Stream")
-            t0 = time.perf_counter()
-            got = sum(len(m) for m in call(b""))
-            dt = time.perf_counter() - t0
-    finally:
-        server.stop(0)
-    assert got == sum(len(p) for p in payloads)
-    return dt
-
-
-def _bare_tcp(payloads: list[bytes]) -> float:
-    total = sum(len(p) for p in payloads)
-    srv = socket.create_server(("127.0.0.1", 0))
-    port = srv.getsockname()[1]
-
-    def send() -> None:
-        conn, _ = srv.accept()
-        with conn:
-            for p in payloads:
-                conn.sendall(p)
-
-    t = threading.Thread(target=send)
-    t.start()
-    buf = bytearray(total)
-    view = memoryview(buf)
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        t0 = time.perf_counter()
-        got = 0
-        while got < total:
-            n = s.recv_into(view[got:])
-            if not n:
-                break
-            got += n
-        dt = time.perf_counter() - t0
-    t.join()
-    srv.close()
-    assert got == total
     return dt
 
 
@@ -150,9 +112,11 @@ def main() -> int:
     size = args.block_kib * 1024
     group = GroupSpec(0, "full_attention", 0, 16, size, "bfloat16", "bench-layout")
     capacity = args.blocks * size * 2
-    times: dict[str, list[float]] = {"fetch": [], "fill": [], "fill_block_port": [], "readblocks": [],
+    times: dict[str, list[float]] = {"fetch": [], "fill": [], "fill_block_port": [],
+                                     "fill_block_port_warm": [], "readblocks": [],
                                      "block_port_read": [],
-                                     "bare_grpc": [], "bare_tcp": []}
+                                     "bare_grpc": [], "bare_tcp": [], "bare_tcp_other_process": [],
+                                     "bare_tls": []}
     block_port = free_port()
     # Arenas on tmpfs, as in production (/dev/shm): a disk-backed /tmp adds page-cache writeback.
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -167,6 +131,7 @@ def main() -> int:
         nodes_b: list[DaemonProcess] = []
         try:
             chain = _fill(a.target, group, args.blocks)
+            warm = _fill(a.target, group, args.blocks, "warm")
             payloads = [block_bytes(b.block_hash, size) for b in chain]
             with OffloadClient(a.target, timeout_s=120) as peer:
                 peer.register_engine("reader", 1, "bench", [group])
@@ -197,8 +162,13 @@ def main() -> int:
                     times["fill_block_port"].append(_fill_lookup(
                         work / f"d{r}", redis_proc.url, f"node-d{r}", f"a={a.target}/node-a@{block_port}",
                         group, capacity, chain, nodes_b))
-                    times["bare_grpc"].append(_bare_grpc(payloads))
-                    times["bare_tcp"].append(_bare_tcp(payloads))
+                    times["fill_block_port_warm"].append(_fill_lookup(
+                        work / f"w{r}", redis_proc.url, f"node-w{r}", f"a={a.target}/node-a@{block_port}",
+                        group, capacity, chain, nodes_b, warm))
+                    times["bare_grpc"].append(bare_grpc(payloads))
+                    times["bare_tcp"].append(bare_tcp(payloads))
+                    times["bare_tcp_other_process"].append(bare_tcp_other_process(payloads, work))
+                    times["bare_tls"].append(bare_tls(payloads, work))
         finally:
             for b in nodes_b:
                 b.kill()
@@ -207,7 +177,7 @@ def main() -> int:
     total_mb = args.blocks * size / 1e6
     rates = {k: total_mb / statistics.median(v) for k, v in times.items()}
     for k, v in rates.items():
-        print(f"{k:11s} {v:8.0f} MB/s  ({v / rates['bare_tcp']:.3f}x bare TCP, "
+        print(f"{k:20s} {v:8.0f} MB/s  ({v / rates['bare_tcp']:.3f}x bare TCP, "
               f"{v / rates['bare_grpc']:.3f}x bare gRPC)")
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -216,7 +186,9 @@ def main() -> int:
                                     "fetch_vs_bare_tcp": rates["fetch"] / rates["bare_tcp"],
                                     "fetch_vs_bare_grpc": rates["fetch"] / rates["bare_grpc"],
                                     "fill_vs_bare_tcp": rates["fill"] / rates["bare_tcp"],
-                                    "fill_block_port_vs_bare_tcp": rates["fill_block_port"] / rates["bare_tcp"]},
+                                    "fill_block_port_vs_bare_tcp": rates["fill_block_port"] / rates["bare_tcp"],
+                                    "fill_block_port_warm_vs_bare_tcp":
+                                        rates["fill_block_port_warm"] / rates["bare_tcp"]},
                                    indent=1) + "\n")
     print(f"wrote {out_path}")
     return 0

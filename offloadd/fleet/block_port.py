@@ -9,7 +9,7 @@ reader reserves its slots before the bytes come), then the slots back to back (a
 of one file in one ``sendfile``), and releases the pin. The wire is in
 offloadd.fleet.block_reader. The bearer token is the daemon's own (``--auth-token-file``),
 compared in constant time before anything else is looked at. Plaintext only: a daemon with TLS
-refuses the flag (sendfile cannot encrypt), and its peers read over gRPC (DECISIONS 44, 49).
+refuses the flag (sendfile cannot encrypt), and its peers read over gRPC (DECISIONS 44, 55).
 """
 
 from __future__ import annotations
