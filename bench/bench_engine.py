@@ -5,7 +5,9 @@ vocab 128256, bf16). On CPU: the tiny test models (plain and hybrid), float32. T
 reference runs the same weights with ``is_causal`` SDPA and no KV cache (no window either: for
 the hybrid model it is a throughput yardstick, not the same function), in the same process,
 interleaved with the engine runs. Target on the H200: engine prefill >= 0.8 x dense. Prefix
-caching is off so that every prefill is computed.
+caching is off so that every prefill is computed. Decodes (batch 1 and the shape's batch, 128-token
+prompts) run with async scheduling (engine.step_chain) and without it ("sync"), alternating in the
+same process where the engine has it (CUDA graphs); ``vs_sync`` is the speed-up over the sync run.
 
     python bench/bench_engine.py [--shape tiny|1b] [--device cuda] [--out bench/results/engine.json]
 """
@@ -97,6 +99,8 @@ def bench_shape(name: str, device: str, repeat: int) -> list[dict[str, Any]]:
                          "dense_tok_s": b * n / t_dense, "ratio": t_dense / t_engine})
 
         dt = cfg["decode_tokens"]
+        chain = llm.engine.chain
+        modes = [True, False] if chain.eligible else [False]
         for db in (1, cfg["decode_batch"]):
             prompts = [torch.randint(0, min(spec.vocab_size, 256), (128,), generator=gen).tolist() for _ in range(db)]
 
@@ -113,10 +117,23 @@ def bench_shape(name: str, device: str, repeat: int) -> list[dict[str, Any]]:
                 _sync(device)
                 return time.perf_counter() - t0
 
-            decode()
-            t_dec = statistics.median(decode() for _ in range(repeat))
-            rows.append({"model": name, "phase": f"decode batch {db}", "engine_tok_s": len(prompts) * dt / t_dec,
-                         "step_ms": t_dec / dt * 1e3, "dense_tok_s": None, "ratio": None})
+            # Async scheduling (engine.step_chain) on and off, alternating, in the same process.
+            times: dict[bool, list[float]] = {m: [] for m in modes}
+            for m in modes:
+                chain.enabled = m
+                decode()
+            for _ in range(repeat):
+                for m in modes:
+                    chain.enabled = m
+                    times[m].append(decode())
+            chain.enabled = modes[0]
+            sync = statistics.median(times[False])
+            for m in modes:
+                t_dec = statistics.median(times[m])
+                rows.append({"model": name, "phase": f"decode batch {db}" + ("" if m else " sync"),
+                             "engine_tok_s": len(prompts) * dt / t_dec, "step_ms": t_dec / dt * 1e3,
+                             "dense_tok_s": None, "ratio": None, "vs_sync": sync / t_dec,
+                             "async_scheduling": m})
     return rows
 
 
@@ -133,11 +150,12 @@ def main() -> None:
     rows = [r for s in shapes for r in bench_shape(s, a.device, a.repeat)]
     dev_name = torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor() or "cpu"
     print(f"device: {a.device} ({dev_name}), torch {torch.__version__}")
-    print(f"{'model':<12} {'phase':<18} {'engine tok/s':>14} {'dense tok/s':>14} {'engine/dense':>13}")
+    print(f"{'model':<12} {'phase':<22} {'engine tok/s':>14} {'dense tok/s':>14} {'engine/dense':>13} {'step ms':>8}")
     for r in rows:
         dense = f"{r['dense_tok_s']:14.0f}" if r["dense_tok_s"] else f"{'-':>14}"
         ratio = f"{r['ratio']:13.2f}" if r["ratio"] else f"{'-':>13}"
-        print(f"{r['model']:<12} {r['phase']:<18} {r['engine_tok_s']:14.0f} {dense} {ratio}")
+        step = f"{r['step_ms']:8.3f}" if r.get("step_ms") else f"{'-':>8}"
+        print(f"{r['model']:<12} {r['phase']:<22} {r['engine_tok_s']:14.0f} {dense} {ratio} {step}")
     out = Path(a.out or Path(__file__).parent / "results" / f"engine-{a.device.split(':')[0]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": a.device, "device_name": dev_name, "torch": torch.__version__,

@@ -73,6 +73,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="1024,4096,8000", help="cold prefill lengths, comma-separated")
     ap.add_argument("--out", default=None, help="write here instead of stdout")
+    ap.add_argument("--decode-only", action="store_true", help="skip the cold prefills (timings and profiles)")
+    ap.add_argument("--sync", action="store_true", help="decode steps without async scheduling (engine.step_chain; on by default here)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
@@ -111,12 +113,15 @@ def main() -> None:
                     times.append(time.perf_counter() - t0)
             return statistics.median(times) * 1e3
 
-        for n in lengths:
-            print(f"n={n}: cold {median_ms(cold, n):.2f} ms, model forward {median_ms(dense, n):.2f} ms")
-        timeline(cold(4096), "cold 4096")
-        timeline(dense(4096), "model forward 4096")
-        host_profile(cold(4096), 25)
+        if not a.decode_only:
+            for n in lengths:
+                print(f"n={n}: cold {median_ms(cold, n):.2f} ms, model forward {median_ms(dense, n):.2f} ms")
+            timeline(cold(4096), "cold 4096")
+            timeline(dense(4096), "model forward 4096")
+            host_profile(cold(4096), 25)
         core = llm.engine
+        core.chain.enabled = core.chain.eligible and not a.sync
+        print(f"async scheduling: {core.chain.enabled}")
         for batch, ctx in ((1, 4096), (1, 128), (32, 128), (32, 1024)):
             params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
             for _ in range(batch):

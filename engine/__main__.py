@@ -57,6 +57,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "blocks are held from its arrival, so other requests cannot evict them meanwhile)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (by default small steps replay CUDA graphs)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="CUDA graphs, no offload: launch each greedy decode step before the last step's "
+                        "tokens are read, overlapping the host's work with the GPU's (not yet measured "
+                        "on a GPU: off by default)")
     p.add_argument("--engine-id", default=None,
                    help="this engine's source name in the event log and at offloadd, unique among "
                         "live engines (default: HOSTNAME-PID)")
@@ -69,7 +73,7 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
         max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, hash_seed=a.hash_seed,
         hash_algo=a.hash_algo, enable_prefix_caching=not a.no_prefix_caching,
         hold_prefix_on_arrival=not a.no_prefix_hold, engine_id=a.engine_id or default_engine_id(),
-        enforce_eager=a.enforce_eager,
+        enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling,
     )
     cfg.validate()
     return cfg

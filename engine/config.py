@@ -68,6 +68,9 @@ class EngineConfig:
     """CUDA: run every step eagerly; by default small steps replay captured CUDA graphs."""
     cuda_graph_max_tokens: int = 512
     """CUDA: largest padded step (requests x tokens per request, powers of two) run as a graph."""
+    async_scheduling: bool = False
+    """CUDA graphs, no offload connector: launch the next greedy decode step before the last
+    step's tokens are read (engine.step_chain). Off until measured on a GPU (DECISIONS 50)."""
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
+from engine.digest_memo import DigestMemo
 from engine.errors import InvalidRequest
 from engine.event_sink import EventSink, NullEventSink
 from engine.kv_cache import KVCacheGroup, allocate_kv_cache, kv_group_specs, layer_slots
@@ -21,10 +22,12 @@ from engine.kv_manager import KVCacheManager
 from engine.model.config import ModelConfig
 from engine.model.loader import load_model
 from engine.model.tokenizer import Tokenizer, load_tokenizer
+from engine.output_text import next_output
 from engine.request import PreparedPrompt, Request, StepOutput
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample_token
-from engine.scheduler import ScheduledRequest, Scheduler
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.step_chain import Launched, StepChain
 from engine.step_graphs import StepGraphs
 from events.hashing import BlockHasher
 
@@ -56,7 +59,10 @@ class EngineCore:
         self.kv_groups: list[KVCacheGroup] = allocate_kv_cache(
             specs, mcfg, config.num_gpu_blocks, config.block_size, config.torch_dtype, self.device
         )
-        self.kv = KVCacheManager(specs, config.num_gpu_blocks, config.block_size, self.hasher, config.enable_prefix_caching)
+        # Digests remembered across requests (engine.digest_memo): a prefix hit hashes nothing
+        # it has seen; twice the pool covers every block a hit can match.
+        memo = DigestMemo(self.hasher, min(max(4096, 2 * config.num_gpu_blocks), 1 << 17))
+        self.kv = KVCacheManager(specs, config.num_gpu_blocks, config.block_size, memo, config.enable_prefix_caching)
         self.connector: OffloadConnector = connector or NullConnector()
         self.connector.register_kv_caches(self.kv_groups)
         self.scheduler = Scheduler(self.kv, self.connector, config.max_num_batched_tokens, config.max_num_seqs,
@@ -66,6 +72,10 @@ class EngineCore:
         if self.device.type == "cuda" and not config.enforce_eager:
             graphs = StepGraphs(self.model, self.kv_groups, slots, self.device, max_tokens=config.cuda_graph_max_tokens)
         self.runner = ModelRunner(self.model, self.kv_groups, slots, self.kv, self.device, graphs)
+        # Async scheduling needs the grid steps (their token ids can come from the device) and
+        # no offload connector (whose per-step protocol runs one step at a time).
+        self.chain = StepChain(self.device, graphs is not None and type(self.connector) is NullConnector,
+                               config.async_scheduling)
         self.event_sink: EventSink = event_sink or NullEventSink()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -163,33 +173,67 @@ class EngineCore:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            self._flush_events()
-            return []
+        """Run a step and return the tokens it made. With async scheduling (engine.step_chain)
+        the next decode is launched before these tokens are read, and the step after that is
+        already on the GPU when this returns."""
+        launched = self.chain.take()
+        try:
+            if launched is None:
+                out = self.scheduler.schedule()
+                if not out.scheduled:
+                    self._flush_events()
+                    return []
+                launched = self._launch(out)
+            try:
+                ahead = self.chain.launch_ahead(launched, self.scheduler, self.kv, self.runner, self.max_model_len)
+                outputs = self._outputs(launched)
+                if ahead is not None:
+                    self._settle(ahead.scheduled)
+                    self.chain.pending = ahead
+                self._flush_events()
+                return outputs
+            finally:
+                # The connector's background work starts only now: its worker thread never holds
+                # the GIL while this thread waits for the tokens or makes the outputs.
+                self.connector.step_done()
+        except BaseException:
+            self.chain.pending = None
+            raise
+
+    def _launch(self, out: SchedulerOutput) -> Launched:
+        scheduled = out.scheduled
         sample_rows = [
-            i for i, s in enumerate(out.scheduled)
+            i for i, s in enumerate(scheduled)
             if s.start + s.num_new_tokens == s.request.num_tokens
         ]
         try:
             logits = self.runner.execute(out, sample_rows, self.connector.take_layer_waits())
-            return self._finish_step(out.scheduled, logits, sample_rows)
+            redo = self._settle(scheduled)
+            if redo:
+                # Wrong KV was loaded: nothing of it may stay cached, nor anything that shares it.
+                logits, sample_rows = self._drop(scheduled, redo, logits, sample_rows)
         except BaseException:
             # The failed step's loads are completed and checked all the same, so that their
             # pins are released and the stores held for them settled (nothing is redone).
             self.connector.finish_loads()
             self.connector.check_loads()
-            raise
-        finally:
-            # The connector's background work starts only now: its worker thread never holds
-            # the GIL while this thread waits for the tokens or makes the outputs.
             self.connector.step_done()
+            raise
+        reqs = [scheduled[i].request for i in sample_rows]
+        launched = Launched(scheduled, reqs, logits)
+        if all(r.params.is_greedy and not r.params.return_logits for r in reqs):
+            # Greedy only: pick on the device and move token ids, not [rows, vocab] logits.
+            launched.logits = None
+            self.chain.pick(launched, logits)
+        return launched
 
-    def _finish_step(
-        self, scheduled: list[ScheduledRequest], logits: torch.Tensor, sample_rows: list[int],
-    ) -> list[StepOutput]:
+    def _settle(self, scheduled: list[ScheduledRequest]) -> set[str]:
+        """A step's bookkeeping once its input tokens are all on the host: progress, newly full
+        blocks hashed and handed to the connector. Returns the requests whose loads were wrong."""
         new_blocks = []
         for s in scheduled:
+            if s.request.is_finished:  # stopped on the token that fed a step launched ahead
+                continue
             s.request.num_computed_tokens = s.start + s.num_new_tokens
             new_blocks.extend(self.kv.register_full_blocks(s.request))
         # The connector's steps, in order (engine.kv_connector). Before any request finishes,
@@ -201,24 +245,18 @@ class EngineCore:
         self.connector.store(new_blocks)
         redo = self.connector.check_loads()
         if redo:
-            # Wrong KV was loaded: nothing of it may stay cached, nor anything that shares it.
             redo = self.kv.forget_blocks(new_blocks, redo, [s.request for s in scheduled])
-            logits, sample_rows = self._drop(scheduled, redo, logits, sample_rows)
-        reqs = [scheduled[i].request for i in sample_rows]
-        tokens: list[int] | None = None
-        logits_cpu: torch.Tensor | None = None
-        if all(r.params.is_greedy and not r.params.return_logits for r in reqs):
-            # Greedy only: pick on the device and move token ids, not [rows, vocab] logits.
-            tokens = logits.argmax(dim=-1).tolist()
-        else:
-            logits_cpu = logits.cpu()
-        if tokens is not None:
-            outputs = [self._append_token(r, None, t) for r, t in zip(reqs, tokens, strict=True)]
-        else:
-            assert logits_cpu is not None
-            outputs = [self._append_token(r, logits_cpu[row]) for row, r in enumerate(reqs)]
-        self._flush_events()
-        return outputs
+        return redo
+
+    def _outputs(self, launched: Launched) -> list[StepOutput]:
+        """Read the step's tokens (sample them from its logits) and append them; a request that
+        finished meanwhile (aborted, or stopped on the token that fed this step) is skipped."""
+        if launched.logits is None:
+            tokens = self.chain.tokens(launched)
+            return [self._append_token(r, None, t) for r, t in zip(launched.requests, tokens, strict=True)
+                    if not r.is_finished]
+        logits_cpu = launched.logits.cpu()
+        return [self._append_token(r, logits_cpu[row]) for row, r in enumerate(launched.requests)]
 
     def _drop(
         self, scheduled: list[ScheduledRequest], redo: set[str], logits: torch.Tensor, sample_rows: list[int],
@@ -241,48 +279,10 @@ class EngineCore:
             token = sample_token(logits, req.params, req.generator)
         if req.params.return_logits and logits is not None:
             req.logits.append(logits.clone())
-        req.output_token_ids.append(token)
-        text = self.tokenizer.decode(req.output_token_ids)
-        reason = None
-        if token in req.eos_token_ids:
-            reason = "eos"
-        elif token in req.params.stop_token_ids:
-            reason = "stop"
-        for stop in req.params.stop:
-            cut = text.find(stop)
-            if cut >= 0:
-                text, reason = text[:cut], "stop"
-                break
-        if reason is None and (len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len):
-            reason = "length"
-        req.output_text = text
-        new_text = self._stream_text(req, text, finished=reason is not None)
-        if reason is not None:
-            self.scheduler.finish(req, reason)
+        out = next_output(req, token, self.tokenizer, self.max_model_len)
+        if out.finish_reason is not None:
+            self.scheduler.finish(req, out.finish_reason)
             self.requests.pop(req.request_id, None)
-        return StepOutput(
-            request_id=req.request_id, new_token_ids=[token],
-            new_text=new_text,
-            finished=reason is not None, finish_reason=reason,
-            num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_external_cached_tokens=req.num_external_cached_tokens,
-        )
-
-    @staticmethod
-    def _stream_text(req: Request, text: str, finished: bool) -> str:
-        """Text safe to stream now: hold back a tail that may still become a stop string or
-        an incomplete UTF-8 character (decoded as U+FFFD until its last byte arrives)."""
-        hold = 0
-        if not finished:
-            hold = len(text) - len(text.rstrip("\ufffd"))
-            for stop in req.params.stop:
-                for k in range(len(stop) - 1, 0, -1):
-                    if text.endswith(stop[:k]):
-                        hold = max(hold, k)
-                        break
-        end = max(len(text) - hold, req.num_text_streamed)
-        out = text[req.num_text_streamed : end]
-        req.num_text_streamed = end
         return out
 
     def _flush_events(self) -> None:

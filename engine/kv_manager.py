@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.block_pool import NULL_BLOCK_ID, BlockPool, all_blocks_cleared
+from engine.digest_memo import DigestMemo
 from engine.kv_cache import KVCacheGroupSpec, first_visible_block
 from engine.kv_connector import NewBlocks
 from engine.request import Request
@@ -23,7 +24,7 @@ class KVCacheManager:
         specs: list[KVCacheGroupSpec],
         num_blocks: int,
         block_size: int,
-        hasher: BlockHasher,
+        hasher: BlockHasher | DigestMemo,
         enable_prefix_caching: bool = True,
     ) -> None:
         self.block_size = block_size

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from engine.digest_memo import DigestMemo
 from engine.sampling import SamplingParams
 from events.hashing import BlockHasher
+
+if TYPE_CHECKING:
+    from engine.output_text import OutputText
 
 
 class RequestStatus(enum.Enum):
@@ -56,6 +61,8 @@ class Request:
     num_text_streamed: int = 0
     """Characters of output_text already streamed (the rest may still change or be cut)."""
     logits: list[Tensor] = field(default_factory=list)
+    text: OutputText | None = field(default=None, repr=False)
+    """The output text as it is built (engine.output_text), made at the first token."""
     _digests: list[bytes] = field(default_factory=list)
 
     @property
@@ -73,11 +80,14 @@ class Request:
     def token_ids(self, start: int, end: int) -> list[int]:
         """``all_token_ids[start:end]`` without copying the whole sequence first."""
         prompt = self.prompt_token_ids
-        if end <= len(prompt):
+        n = len(prompt)
+        if end <= n:
             return prompt[start:end]
-        return (prompt + self.output_token_ids)[start:end]
+        if start >= n:  # a decode: its tokens are outputs (no copy of a long prompt each step)
+            return self.output_token_ids[start - n : end - n]
+        return prompt[start:] + self.output_token_ids[: end - n]
 
-    def block_digests(self, hasher: BlockHasher, num_blocks: int) -> list[bytes]:
+    def block_digests(self, hasher: BlockHasher | DigestMemo, num_blocks: int) -> list[bytes]:
         """Full digests of the first ``num_blocks`` full blocks, computed once and chained."""
         have = len(self._digests)
         if have < num_blocks:

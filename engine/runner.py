@@ -205,6 +205,24 @@ class ModelRunner:
         if self.prefill is not None and wait is None and self._cold(sched):
             s = sched[0]
             return self.prefill.run(_new_token_ids(s), self.kv.block_table(s.request.request_id))[: len(sample_rows)]
+        return self._execute_eager(sched, sample_rows, wait)
+
+    @torch.inference_mode()
+    def execute_decodes(self, sched: list[ScheduledRequest], ids: Tensor) -> Tensor | None:
+        """Run one decode token per request as a grid step whose token ids are ``ids`` (a device
+        tensor, row i for ``sched[i]``: the tokens of a step still running, not on the host
+        yet); float32 logits ``[len(sched), vocab]``, or None (nothing run) when no grid
+        holds the step."""
+        if self.graphs is None:
+            return None
+        grid = [GridRow((0,), s.start, self.kv.block_table(s.request.request_id)) for s in sched]
+        shape = self.graphs.shape_for(grid)
+        if shape is None:
+            return None
+        return self.graphs.run(shape, grid, None, ids)[: len(sched)]
+
+    def _execute_eager(self, sched: list[ScheduledRequest], sample_rows: list[int],
+                       wait: Callable[[int], None] | None) -> Tensor:
         bs = self.block_size
         starts = [s.start for s in sched]
         lens = [s.num_new_tokens for s in sched]

@@ -65,12 +65,14 @@ class GridRow:
 
 
 class _Inputs:
-    """The static inputs of one shape: one int32 buffer the host rewrites each step, read by
-    the step as one int64 tensor (:meth:`flat`).
+    """The static inputs of one shape: what the host writes each step, and the int64 device
+    tensor the step reads (:meth:`flat`).
 
-    On CUDA the buffer is pinned host memory that the step reads itself, over PCIe, with one
-    conversion kernel at its start: no copy-engine work, so a step never queues behind the DMA
-    copies of a load it overlaps (engine.offload.layerwise)."""
+    On CUDA the host writes one of two pinned buffers in turn, and one conversion kernel (no
+    copy-engine work, so a step never queues behind the DMA copies of a load it overlaps,
+    engine.offload.layerwise) reads it over PCIe into the device tensor ahead of the graph.
+    Two buffers: the host fills one while a step launched earlier may still be reading the
+    other (the engine launches a decode step before the last one's tokens are read)."""
 
     def __init__(self, shape: GridShape, device: torch.device) -> None:
         r, q = shape.rows, shape.queries
@@ -83,30 +85,40 @@ class _Inputs:
             self.offsets[name] = (total, n)
             total += n
         self.cuda = device.type == "cuda"
-        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=self.cuda)
+        turns = 2 if self.cuda else 1
+        self.hosts = [torch.zeros(total, dtype=torch.int32, pin_memory=self.cuda) for _ in range(turns)]
         # Pinned (cudaHostAlloc) memory is mapped at the same address for the device (UVA).
-        self.src = (torch.as_tensor(CudaArray(self.host.data_ptr(), total * 4), device=device).view(torch.int32)
-                    if self.cuda else self.host)
-        self.read: torch.cuda.Event | None = None
+        self.srcs = ([torch.as_tensor(CudaArray(h.data_ptr(), total * 4), device=device).view(torch.int32)
+                      for h in self.hosts] if self.cuda else self.hosts)
+        self.read: list[torch.cuda.Event | None] = [None] * turns
+        self.turn = 0
+        self.dev = torch.zeros(total, dtype=torch.long, device=device)
 
     def flat(self) -> Tensor:
-        """Every input as one int64 device tensor (in a graph: the replay reads the buffer)."""
-        return self.src.to(torch.long)
+        """Every input as one int64 device tensor (static: a graph reads it at each replay)."""
+        return self.dev
 
     def part(self, flat: Tensor, name: str) -> Tensor:
         off, n = self.offsets[name]
         return flat[off : off + n]
 
-    def upload(self, values: list[int]) -> None:
-        if self.read is not None:
-            self.read.synchronize()  # the previous step has read the buffer
-        self.host.copy_(torch.tensor(values, dtype=torch.int32))
-
-    def mark_read(self) -> None:
-        """After enqueuing the work that reads the buffer: the next upload waits for it."""
+    def upload(self, values: list[int], ids: Tensor | None = None) -> None:
+        """Queue this step's inputs ahead of its work. ``ids``: the first ``len(ids)`` token ids
+        (one query slot per row) come from this device tensor, not from ``values``."""
+        turn = self.turn
+        self.turn = (turn + 1) % len(self.hosts)
+        read = self.read[turn]
+        if read is not None:
+            read.synchronize()  # the step before last has read this buffer
+        self.hosts[turn].copy_(torch.tensor(values, dtype=torch.int32))
+        self.dev.copy_(self.srcs[turn])
         if self.cuda:
-            self.read = torch.cuda.Event()
-            self.read.record()
+            event = torch.cuda.Event()
+            event.record()
+            self.read[turn] = event
+        if ids is not None:
+            off = self.offsets["ids"][0]
+            self.dev[off : off + ids.numel()].copy_(ids)
 
 
 @dataclass
@@ -231,9 +243,13 @@ class StepGraphs:
             blocks.append(nb)
         return GridShape(r, q, tuple(blocks))
 
-    def run(self, shape: GridShape, rows: Sequence[GridRow], wait: Callable[[int], None] | None = None) -> Tensor:
+    def run(self, shape: GridShape, rows: Sequence[GridRow], wait: Callable[[int], None] | None = None,
+            ids: Tensor | None = None) -> Tensor:
         """float32 logits ``[shape.rows, vocab]``: row i is rows[i]'s last token (padding after).
-        ``wait(layer)`` is called (on the stream, in layer order) before each layer runs."""
+        ``wait(layer)`` is called (on the stream, in layer order) before each layer runs.
+        ``ids``: a device tensor holding row i's one token (``shape.queries`` must be 1), in
+        place of the rows' own ``token_ids``: the tokens of a step still running."""
+        assert ids is None or (shape.queries == 1 and ids.numel() == len(rows))
         values = self._values(shape, rows)
         self.steps += 1
         entry = self._entries.get(shape)
@@ -242,23 +258,19 @@ class StepGraphs:
             if len(self._entries) > self.max_graphs:
                 self._entries.popitem(last=False)
         self._entries.move_to_end(shape)
-        entry.inputs.upload(values)
+        entry.inputs.upload(values, ids)
         if not self.capture:
-            out = self._forward(shape, entry.inputs, wait)
-            entry.inputs.mark_read()
-            return out
+            return self._forward(shape, entry.inputs, wait)
         if wait is None:
             if entry.whole is None:
                 entry.whole = self._capture(shape, entry.inputs)
             graph, out = entry.whole
             graph.replay()
-            entry.inputs.mark_read()
             return out
         if entry.segments is None:
             entry.segments = self._capture_segments(shape, entry.inputs, wait)
         graphs, out = entry.segments
         graphs[0].replay()
-        entry.inputs.mark_read()
         for layer, graph in enumerate(graphs[1:-1]):
             wait(layer)
             graph.replay()

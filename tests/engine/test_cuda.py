@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -65,6 +66,37 @@ def test_cuda_graph_replay_matches_eager_steps(request: pytest.FixtureRequest, w
         assert a.num_cached_tokens == b.num_cached_tokens
         torch.testing.assert_close(torch.stack(b.outputs[0].logits), torch.stack(a.outputs[0].logits),
                                    atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("which", ["plain_model", "hybrid_model"])
+def test_async_scheduling_matches_synchronous_steps(request: pytest.FixtureRequest, which: str) -> None:
+    """Decodes launched before the last tokens are read (engine.step_chain), their token ids
+    taken from the device: the tokens, finish reasons and events of synchronous steps, with
+    requests stopping mid-way on a token and by length."""
+    from dataclasses import replace
+
+    from engine.event_sink import RecordingEventSink
+
+    path: Path = request.getfixturevalue(which)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (90, 20, 60, 33, 7)]
+    base = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(params: list[SamplingParams], chained: bool) -> tuple[list[tuple[list[int], str | None]], list[Any], int]:
+        sink = RecordingEventSink()
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_batched_tokens=256, event_sink=sink,
+                  async_scheduling=chained)
+        outs = llm.generate(prompts, params)
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], sink.events, llm.engine.chain.launched
+
+    free, _, _ = run([base] * 5, False)
+    tokens = [t for t, _ in free]
+    params = [base, replace(base, stop_token_ids=(tokens[1][9],)), replace(base, max_tokens=5), base,
+              replace(base, stop_token_ids=(tokens[4][3],))]
+    sync, chained = run(params, False), run(params, True)
+    assert sync[2] == 0 and chained[2] > 10
+    assert chained[0] == sync[0] and chained[1] == sync[1]
+    assert [r for _, r in chained[0]] == ["length", "stop", "length", "length", "stop"]
 
 
 _ULP = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}

@@ -1,0 +1,55 @@
+"""engine.digest_memo: digests remembered across requests are the hasher's own digests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.digest_memo import DigestMemo
+from engine.llm import LLM
+from engine.sampling import SamplingParams
+from events.hashing import BlockHasher
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "xxh3_128_cbor"])
+def test_memo_gives_the_hashers_digests(algo: str) -> None:
+    hasher = BlockHasher("seed", 16, algo)  # type: ignore[arg-type]
+    memo = DigestMemo(hasher, 1000)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 128256, 16 * 20 + 5).astype(np.int64)  # a partial block at the end
+    assert memo.hash_blocks(prompt) == hasher.hash_blocks(prompt) and memo.hits == 0
+    assert memo.hash_blocks(prompt.tolist()) == hasher.hash_blocks(prompt.tolist()) and memo.hits == 20
+    # A prompt sharing 8 blocks, then other tokens: 8 hits, the rest hashed after the last hit.
+    other = np.concatenate([prompt[:128], rng.integers(0, 128256, 100)])
+    assert memo.hash_blocks(other) == hasher.hash_blocks(other) and memo.hits == 28
+    # Same tokens after another parent are other blocks.
+    parent = hasher.hash_blocks(other)[-1]
+    assert memo.hash_blocks(prompt, parent) == hasher.hash_blocks(prompt, parent) and memo.hits == 28
+    assert memo.hash_blocks(prompt[:15]) == []
+
+
+def test_memo_stays_bounded_and_exact() -> None:
+    hasher = BlockHasher("seed", 4, "sha256_cbor")
+    memo = DigestMemo(hasher, 64)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 1000, 4 * 30) for _ in range(10)]
+    for _ in range(2):
+        for p in prompts:
+            assert memo.hash_blocks(p) == hasher.hash_blocks(p)
+            assert len(memo) <= 64
+
+
+def test_a_prefix_hit_hashes_nothing_seen_before(plain_model: Path) -> None:
+    llm = LLM(str(plain_model), max_num_batched_tokens=256)
+    memo = llm.engine.kv.hasher
+    assert isinstance(memo, DigestMemo)
+    prompt = np.random.default_rng(2).integers(0, 256, 200).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    first = llm.generate(prompt, params)[0]
+    hits = memo.hits
+    again = llm.generate([*prompt, 7, 8], params)[0]
+    assert again.num_cached_tokens == 192 and first.num_cached_tokens == 0
+    assert memo.hits - hits == 12  # the 12 full blocks of the first prompt, none hashed again
+    assert len(again.outputs[0].token_ids) == 3
