@@ -8,6 +8,7 @@ publishes the new log, its /healthz 200 again, the subscriber's state equal to t
 
 from __future__ import annotations
 
+import logging
 import random
 import shutil
 import threading
@@ -110,7 +111,8 @@ def _lose_everything(server: RedisProcess) -> None:
 
 @pytest.mark.parametrize("max_pending", [4096, 64])
 def test_lost_log_starts_a_new_epoch_everyone_resyncs(
-    own_redis: RedisProcess, tmp_path: Path, namespace: str, max_pending: int
+    own_redis: RedisProcess, tmp_path: Path, namespace: str, max_pending: int,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """4096: the engine's queue holds out, the new epoch in the first ack resets the stream once;
     64: it fills while the daemon is down (queue-full resets), then the epoch resets it again."""
@@ -140,15 +142,24 @@ def test_lost_log_starts_a_new_epoch_everyone_resyncs(
                      and "re-syncing" in bridge.health()[1]["detail"], 5), bridge.health()
         acks_before = engine.num_acks
         resets_before = engine.sink.stream.num_resets
+        caplog.set_level(logging.WARNING, logger="offloadd.client.ingest_stream")
+        caplog.clear()
         daemon.restart()
-        resets_down = engine.sink.stream.num_resets - resets_before  # queue full while down
 
         # The engine re-announces under a new incarnation within a few seconds.
         assert _wait(lambda: engine.sink.stream.log_epoch not in ("", old_epoch)
                      and engine.sink.stream.acked_seq > 2, 10), engine.sink.stream.last_error
         assert engine.sink.incarnation != old_incarnation
-        # Once the daemon serves: one reset for the new epoch (and one more queue-full at most).
-        assert engine.sink.stream.num_resets - resets_before - resets_down <= 2
+        # Once the daemon serves: one reset for the new epoch, then a stable stream. Until the
+        # engine's stream reconnects (gRPC's backoff, longer on a loaded machine) its small queue
+        # may fill again: those resets say so, and there is no other kind.
+        settled, acked = engine.sink.stream.num_resets, engine.sink.stream.acked_seq
+        assert _wait(lambda: engine.sink.stream.acked_seq > acked + 20, 10)
+        assert engine.sink.stream.num_resets == settled, "the stream must settle in the new epoch"
+        reasons = [r.getMessage().split(": new incarnation")[0] for r in caplog.records
+                   if r.getMessage().startswith("ingest reset (")]
+        assert sum("log epoch changed" in why for why in reasons) == 1, reasons
+        assert all("log epoch changed" in why or "unacked queue full" in why for why in reasons), reasons
         assert engine.num_acks - acks_before < 2000  # no RESEND livelock
         assert engine.num_resend < 50
         if max_pending > 1000:
