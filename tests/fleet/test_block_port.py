@@ -1,7 +1,9 @@
 """The block port (``--fleet-block-port``): a peer's blocks sent with sendfile over a raw TCP
 socket. Node b reads a's chain through it (peer given as ``...@PORT``) and serves it as its own
 CPU-tier hit; the port refuses a wrong token, an unknown reader, the old wire and garbage with an
-error frame (a block it does not hold ends the prefix it sends), and the daemon carries on."""
+error frame (a block it does not hold ends the prefix it sends), and the daemon carries on. A
+transfer cut, corrupted or ended by the peer's SIGKILL keeps the blocks that arrived whole and
+intact, and nothing else."""
 
 from __future__ import annotations
 
@@ -9,17 +11,25 @@ import socket
 import struct
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
 
-from offloadd.client import GroupQuery, OffloadClient, OffloadClientError
+from offloadd.client import BlockToStore, GroupQuery, OffloadClient, OffloadClientError
 from offloadd.fleet.block_reader import read_blocks_raw
 from offloadd.fleet.port_fill import COMMIT_BLOCKS
 from tests.support.offloadd_proc import DaemonProcess
 from tests.support.redis_proc import free_port
-from tests.support.synthetic_engine import GROUP, SLOT, SyntheticStorer, digest, served_blocks_match
+from tests.support.synthetic_engine import (
+    GROUP,
+    SLOT,
+    SyntheticStorer,
+    block_bytes,
+    digest,
+    served_blocks_match,
+)
 
 CHAIN = 40
 
@@ -104,8 +114,9 @@ class _Relay:
     byte of the slots (bits flipped on the way); both counted from the first slot's first byte,
     past the count and the headers."""
 
-    def __init__(self, upstream: int, cut_at: int = -1, flip_at: int = -1) -> None:
-        self.upstream, self.cut_at, self.flip_at = upstream, cut_at, flip_at
+    def __init__(self, upstream: int, cut_at: int = -1, flip_at: int = -1, pause_at: int = -1) -> None:
+        self.upstream, self.cut_at, self.flip_at, self.pause_at = upstream, cut_at, flip_at, pause_at
+        self.paused, self.resume = threading.Event(), threading.Event()  # pause_at: held there
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         threading.Thread(target=self._serve, daemon=True).start()
@@ -125,7 +136,13 @@ class _Relay:
                 client.sendall(head)
                 sent = -struct.unpack("!II", head)[1]  # < 0 while the headers pass
                 while self.cut_at < 0 or sent < self.cut_at:
-                    chunk = up.recv(65536)
+                    if 0 <= self.pause_at <= sent and not self.paused.is_set():
+                        self.paused.set()
+                        self.resume.wait(10)
+                    try:
+                        chunk = up.recv(65536)
+                    except ConnectionError:  # the peer was killed: what it sent is read first
+                        break
                     if not chunk:
                         break
                     if self.cut_at >= 0:
@@ -170,6 +187,61 @@ def test_a_broken_transfer_is_never_a_wrong_block(tmp_path: Path, redis_url: str
         assert got == broken and stats.num_blocks == broken
         assert all(s.num_reserved == 0 for s in stats.layouts)
         assert b.proc is not None and b.proc.poll() is None
+    finally:
+        relay.close()
+        a.kill()
+        b.kill()
+
+
+BIG = replace(GROUP, block_bytes=256 << 10, layout="big-layout")  # 64 blocks: 16 MiB, more than
+# the sockets buffer, so the peer is still sending when it is killed
+
+
+def test_a_peer_killed_mid_transfer_costs_the_rest_never_a_wrong_block(tmp_path: Path,
+                                                                        redis_url: str) -> None:
+    port, n = free_port(), 64
+    a = DaemonProcess(tmp_path / "a", redis_url, "node-a", capacity_bytes=2 * n * BIG.block_bytes,
+                      extra_args=("--fleet-block-port", str(port)))
+    a.start()
+    chain = [BlockToStore(digest("big", i), digest("big", i - 1) if i else None, (i, 1, 2, 3))
+             for i in range(n)]
+    with OffloadClient(a.target) as c:
+        arena = c.register_engine("a-eng", 1, "synthetic", [BIG]).map_arena(0)
+        res = c.reserve("a-eng", 0, chain)
+        for blk, (_, slot) in zip(chain, res.blocks, strict=True):
+            arena.write(slot, block_bytes(blk.block_hash, BIG.block_bytes))
+        c.commit("a-eng", res.reservation_id)
+        arena.close()
+    relay = _Relay(port, pause_at=8 * BIG.block_bytes + 100)
+    b = DaemonProcess(tmp_path / "b", redis_url, "node-b", capacity_bytes=2 * n * BIG.block_bytes,
+                      extra_args=("--fleet-peers", f"a={a.target}/node-a@{relay.port}",
+                                  "--fleet-refresh-ms", "50", "--fleet-timeout-s", "5"))
+    b.start()
+    hashes = tuple(blk.block_hash for blk in chain)
+    try:
+        time.sleep(0.5)  # b's index has a's chain
+        with OffloadClient(b.target) as local:
+            arena = local.register_engine("b-eng", 1, "synthetic", [BIG]).map_arena(0)
+            try:
+                got: list[int] = []
+                lookup = threading.Thread(target=lambda: got.append(
+                    local.lookup("b-eng", [GroupQuery(0, hashes)]).results[0].num_prefix))
+                lookup.start()
+                assert relay.paused.wait(10)  # 8 blocks through, the peer blocked sending
+                a.kill()  # SIGKILL mid-transfer
+                relay.resume.set()
+                lookup.join(20)
+                found = local.lookup("b-eng", [GroupQuery(0, hashes, prefix_only=False)], pin=True)
+                wrong = [i for i, slot in enumerate(found.results[0].slots) if slot >= 0
+                         and arena.read(slot) != block_bytes(hashes[i], BIG.block_bytes)]
+                stats = local.stats()
+            finally:
+                arena.close()
+        assert got and 8 <= got[0] < n, got  # what arrived whole is kept, the rest is a miss
+        assert wrong == [] and stats.num_blocks == got[0]
+        assert all(s.num_reserved == 0 for s in stats.layouts)
+        assert b.proc is not None and b.proc.poll() is None
+        assert "fleet read from a cut short" in b.log_path.read_text()
     finally:
         relay.close()
         a.kill()
