@@ -16,9 +16,10 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from events.codec_vllm import WireBatch
+from events.schema import BlockStored
 from events.state import CacheState
 from events.state_gc import GcPolicy
 from events.subscriber import KvEventSubscriber, SubscriberError
@@ -35,6 +36,8 @@ class Follower:
         self.sub = KvEventSubscriber(pub, replay, topic, replay_timeout_s=replay_timeout_s)
         self.gc = GcPolicy(full_gc_interval_s)
         self.sub.on_batch(self._count)
+        self.stored_listener: Callable[[str, Sequence[int]], None] | None = None
+        """Called with each (source, block hashes) stored on the stream, under the state's lock."""
         self._retry_s = retry_s
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -80,6 +83,12 @@ class Follower:
     def _count(self, _seq: int, batch: WireBatch) -> None:
         blocks = sum(len(getattr(e, "block_hashes", ())) or 1 for e in batch.events)
         self._recent.append((time.monotonic(), blocks))
+        listener = self.stored_listener
+        if listener is not None:
+            with self.sub.lock:
+                for event, source in zip(batch.events, batch.sources, strict=False):
+                    if isinstance(event, BlockStored):
+                        listener(source or self.sub.default_source, event.block_hashes)
 
     def _run(self) -> None:
         try:

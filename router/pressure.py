@@ -9,7 +9,9 @@ Per engine, from this router's requests (issue 20, lever b; DECISIONS 54):
   it computes that the view does not show yet (its full prompt blocks after the predicted
   cached ones): each takes a block from the engine's pool, evicting the least recently used
   cached one once no free block is left. The engine publishes a step's evictions before the
-  blocks it stores, so a block in the view comes with the eviction it caused.
+  blocks it stores, so a block in the view comes with the eviction it caused; a request is
+  caught up once its last block was stored in the stream (``saw_stored``, from the follower),
+  even if the view no longer shows it (evicted again since).
 - **released**: the prompt blocks of this router's finished requests, in the engine's LRU
   order (a request frees its tail blocks first), oldest first. Blocks the router never saw used
   count as older than these; the blocks of requests in flight are in use, never evicted.
@@ -58,11 +60,24 @@ class Pressure:
     """The engine's GPU pool (its /health ``gpu_blocks``); 0: unknown, the view is used as is."""
     _pending: dict[str, _Pending] = field(default_factory=dict)
     _released: collections.OrderedDict[BlockHash, None] = field(default_factory=collections.OrderedDict)
+    _last: dict[BlockHash, _Pending] = field(default_factory=dict)
+    """Pending requests by their last block, for ``saw_stored``."""
+
+    def saw_stored(self, hashes: Sequence[BlockHash]) -> None:
+        """The engine's stream stored these blocks (called on the follower's thread: it only
+        reads ``_last`` and marks requests caught up)."""
+        last = self._last
+        if last:
+            for h in hashes:
+                p = last.get(h)
+                if p is not None:
+                    p.reflected = True
 
     def started(self, request_id: str, hashes: Sequence[BlockHash], cached_blocks: int) -> None:
         """A request went to the engine with ``cached_blocks`` of its ``hashes`` predicted cached."""
         if hashes:
-            self._pending[request_id] = _Pending(hashes, min(cached_blocks, len(hashes)))
+            p = self._pending[request_id] = _Pending(hashes, min(cached_blocks, len(hashes)))
+            self._last[hashes[-1]] = p
 
     def prefilled(self, request_id: str) -> None:
         """The request's first token came: its prompt blocks are all computed."""
@@ -81,6 +96,8 @@ class Pressure:
             released.move_to_end(h)
         if p.reflected:
             del self._pending[request_id]
+            if self._last.get(p.hashes[-1]) is p:
+                del self._last[p.hashes[-1]]
         else:
             p.finished_at = time.monotonic() if now is None else now
 
@@ -121,6 +138,8 @@ class Pressure:
                 p.reflected = True
             if p.finished_at is not None and (p.reflected or now - p.finished_at > OVERLAY_S):
                 del self._pending[rid]
+                if self._last.get(p.hashes[-1]) is p:
+                    del self._last[p.hashes[-1]]
                 continue
             if p.finished_at is None:
                 in_flight += 1

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +87,8 @@ class Router:
         self.chat: ChatTemplate = load_chat_template(config.model_dir) if config.model_dir else ChatTemplate()
         self.retries = 0
         self._ids = itertools.count()
+        if follower is not None:
+            follower.stored_listener = self._stored
         self._prefix = f"rt{os.getpid()}-{int(time.time())}"
 
     # -- prompt -> hashes --------------------------------------------------------------------
@@ -129,6 +131,12 @@ class Router:
             return self.chooser.choose(candidates, hashes, None)
         with self.follower.reading() as state:
             return self.chooser.choose(candidates, hashes, state)
+
+    def _stored(self, source: str, hashes: Sequence[int]) -> None:
+        """Blocks an engine stored, as the stream shows them (router.pressure)."""
+        for engine in self.fleet.engines:
+            if engine.spec.source == source:
+                engine.pressure.saw_stored(hashes)  # type: ignore[arg-type]  # wire ints
 
     def record(self, decision: Decision) -> dict[str, Any]:
         """A decision under a new request id, kept for the truth and the fleet page."""

@@ -87,3 +87,16 @@ def test_a_block_two_requests_compute_is_computed_once() -> None:
     p.started("c1", C, 0)
     p.started("c2", C, 0)  # 3 new blocks, 2 requests in flight, 0 free: 3 evictions
     assert p.surviving(gpu, A, 4, now=1.0) == 1
+
+
+def test_a_request_is_caught_up_once_its_last_block_was_stored_even_if_evicted_since() -> None:
+    """Its blocks came and went before the decision: its demand is in the view already."""
+    p, gpu = Pressure(pool_blocks=10), set[BlockHash]()
+    _released(p, "a", A, gpu)
+    _released(p, "b", B, gpu)
+    p.started("c", C, 0)
+    p.finished("c", now=1.0)
+    assert p.surviving(gpu, A, 4, now=1.1) < 4  # C's 3 blocks still to come, as far as the view says
+    p.saw_stored(C)  # the stream stored them (and, say, evicted them again)
+    assert p.surviving(gpu, A, 4, now=1.1) == 4
+    assert p.num_pending == 0
