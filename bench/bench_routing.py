@@ -41,7 +41,7 @@ from events.state import CacheState  # noqa: E402
 from router.config import EngineSpec, RouterConfig  # noqa: E402
 from router.fleet import EngineState  # noqa: E402
 from router.policy import Chooser  # noqa: E402
-from router.service import Router  # noqa: E402
+from router.service import OFF_LOOP_MIN_SIZE, Router  # noqa: E402
 from router.truth import OUTCOMES  # noqa: E402
 from stack.workload import WORDS  # noqa: E402
 from tests.router.procs import Proc, engine, router  # noqa: E402
@@ -232,7 +232,7 @@ def decision_bench(n_engines: int = 16, total_blocks: int = 100_000, n_requests:
 
     async def off_loop(ids: list[int]) -> float:
         t0 = time.perf_counter()
-        hashes = await r.off_loop(lambda: r.hashes(ids))
+        hashes = await r.off_loop(lambda: r.hashes(ids), OFF_LOOP_MIN_SIZE)  # the thread, whatever the size
         chooser.choose(engines, hashes, state)
         return time.perf_counter() - t0
 

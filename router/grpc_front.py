@@ -60,7 +60,8 @@ class GenerateFront:
         r = self.router
         kind = request.WhichOneof("prompt")
         hashes = await r.off_loop(lambda: r.hashes(r.encode(request.text) if kind == "text"
-                                                   else list(request.token_ids.ids)))
+                                                   else list(request.token_ids.ids)),
+                                  len(request.text) if kind == "text" else len(request.token_ids.ids))
         tried: set[str] = set()
         errors: list[str] = []
         for _attempt in range(r.config.max_attempts):

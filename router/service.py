@@ -48,6 +48,9 @@ log = logging.getLogger("kv-router")
 ENGINE_HEADER = "x-kv-engine"
 REASON_HEADER = "x-kv-route-reason"
 PREDICTED_HEADER = "x-kv-predicted-cached-tokens"
+OFF_LOOP_MIN_SIZE = 16_384
+"""Prompts of this many characters or ids and more (~4k tokens: ~0.3 ms to tokenize and hash
+here) are prepared on the hashing thread; shorter ones on the loop."""
 
 
 class EngineFailed(Exception):
@@ -114,9 +117,13 @@ class Router:
             return []
         return self.prompt_hasher.wire(token_ids[: n * bs])
 
-    async def off_loop(self, prepare: Callable[[], list[BlockHash]]) -> list[BlockHash]:
-        """Run ``prepare`` (tokenize and hash a prompt) on the hashing thread: the event loop
-        meanwhile relays the other requests' streams."""
+    async def off_loop(self, prepare: Callable[[], list[BlockHash]], size: int) -> list[BlockHash]:
+        """Run ``prepare`` (tokenize and hash a prompt of ``size`` characters or ids) on the
+        hashing thread, so that the event loop relays the other requests' streams meanwhile; a
+        prompt below OFF_LOOP_MIN_SIZE inline, where the thread's wake-up costs more than the
+        work (DECISIONS 54)."""
+        if size < OFF_LOOP_MIN_SIZE:
+            return prepare()
         return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, prepare)
 
     def close(self) -> None:
@@ -163,7 +170,7 @@ class Router:
     async def route(self, path: str, body: dict[str, Any],
                     req: CompletionRequest | ChatCompletionRequest) -> Response:
         start = time.perf_counter()
-        hashes = await self.off_loop(lambda: self.hashes(self.prompt_ids(req)))
+        hashes = await self.off_loop(lambda: self.hashes(self.prompt_ids(req)), _prompt_size(req))
         wants_usage = req.include_usage
         if req.stream:  # the router reads the engine's usage chunk; the client gets it if asked
             body = {**body, "stream_options": {"include_usage": True}}
@@ -283,6 +290,13 @@ class Router:
         if outcome != "agree":
             log.info("prediction %s for %s on %s: predicted %s cached tokens, engine reused %d",
                      outcome, entry["request_id"], engine.name, entry["predicted_cached_tokens"], gpu + cpu)
+
+
+def _prompt_size(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """Characters or token ids of the prompt, before tokenizing."""
+    if isinstance(req, ChatCompletionRequest):
+        return sum(len(m.text()) for m in req.messages)
+    return len(req.prompt) if isinstance(req.prompt, (str, list)) else 0
 
 
 def _json(content: bytes) -> Any:

@@ -12,7 +12,7 @@ from events.hashing import HASH_ALGOS, BlockHasher, HashAlgo, to_wire
 from events.schema import BlockHash
 from router.block_hashes import PromptHasher
 from router.config import EngineSpec, RouterConfig
-from router.service import Router
+from router.service import OFF_LOOP_MIN_SIZE, Router
 
 
 def _owner(hasher: BlockHasher, ids: list[int]) -> list[int]:
@@ -47,8 +47,9 @@ def test_ids_an_engine_refuses_give_nothing_to_reuse() -> None:
     assert fast.wire([1]) == []
 
 
-def test_the_router_hashes_off_its_event_loop() -> None:
-    """The router's prompt work runs on its hashing thread, not on the loop that relays streams."""
+def test_the_router_hashes_long_prompts_off_its_event_loop() -> None:
+    """A long prompt's work runs on the hashing thread, not on the loop that relays streams; a
+    short one on the loop (the thread's wake-up would cost more)."""
     router = Router(RouterConfig(engines=(EngineSpec("e0", "http://127.0.0.1:9"),)), None, None)  # type: ignore[arg-type]
     seen: list[str] = []
 
@@ -57,8 +58,9 @@ def test_the_router_hashes_off_its_event_loop() -> None:
         return router.hashes(list(range(100)))
 
     try:
-        hashes = asyncio.run(router.off_loop(work))
+        hashes = asyncio.run(router.off_loop(work, OFF_LOOP_MIN_SIZE))
+        assert asyncio.run(router.off_loop(work, OFF_LOOP_MIN_SIZE - 1)) == hashes
     finally:
         router.close()
-    assert seen[0].startswith("router-hash") and seen[0] != threading.main_thread().name
+    assert seen[0].startswith("router-hash") and seen[1] == threading.main_thread().name
     assert hashes == _owner(router.hasher, list(range(96)))  # every full block but the last token's
