@@ -28,6 +28,7 @@ import multiprocessing as mp
 import platform
 import queue
 import random
+import re
 import sys
 import tempfile
 import time
@@ -170,18 +171,34 @@ def run_pipeline(work: Path, streams: list[list[tuple[Event, ...]]],
         for _ in procs:  # an engine whose stream failed reports nothing: counted below
             with contextlib.suppress(queue.Empty):
                 engines.append(results.get(timeout=5))
+        stalls = redis_counters(redis_proc.url)
     finally:
         ctx.destroy(linger=0)
         bridge.stop()
         daemon.stop()
         redis_proc.stop()
     applied = sum(a for _, a, _ in engines)
-    checkpoints = daemon.log_path.read_text(errors="replace").count(" written: offset ")
+    written = [int(b) for b in re.findall(r" written: offset \d+, \d+ chunks, (\d+) bytes",
+                                          daemon.log_path.read_text(errors="replace"))]
     return {"batches": n, "block_events": total, "applied": applied, **got,
-            "checkpoints": checkpoints, "engines_failed": len(procs) - len(engines),
+            "checkpoints": len(written), "checkpoint_bytes_max": max(written, default=0),
+            "checkpoint_bytes_total": sum(written), "redis": stalls,
+            "engines_failed": len(procs) - len(engines),
             "lost": n - got["received"], "wall_s": wall,
             "block_events_per_s": total / wall if got["received"] == n else None,
             "within_10s": got["received"] if wall <= 10 else None}
+
+
+def redis_counters(url: str) -> dict[str, int]:
+    """What Redis did in the run that can stall every client: forks (AOF rewrites, each a copy
+    of the dataset's page tables) and writes it made wait for a slow fsync."""
+    admin = redis.Redis.from_url(url)
+    try:
+        info = {**admin.info("persistence"), **admin.info("stats")}
+    finally:
+        admin.close()
+    return {k: int(info.get(k, 0)) for k in ("aof_rewrites", "aof_delayed_fsync", "total_forks",
+                                              "latest_fork_usec")}
 
 
 # -- baselines ----------------------------------------------------------------------------------

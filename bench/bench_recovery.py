@@ -52,6 +52,7 @@ import os
 import platform
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,13 +81,14 @@ from events.schema import BlockRemoved, BlockStored, LogRecord
 from events.state import CacheState, Snapshot, SourceSnapshot
 from offloadd.client import BlockToStore, OffloadClient
 from offloadd.log import projection
-from tests.support.offloadd_proc import DaemonProcess
+from tests.support.offloadd_proc import REPO, DaemonProcess
 from tests.support.redis_proc import RedisProcess
 from tests.support.synthetic_engine import GROUP, SLOT, block_bytes, digest
 
 HISTORY = "history-engine"
 CKPT_RECORDS = 25_000  # the daemon's default checkpoint_records
 RETENTION = ("--retention-records", "100000", "--retention-s", "0")
+REDIS_TIMEOUT = ("--redis-timeout-s", "5")  # a loaded machine's Redis can take a second to answer
 CHAIN = 256  # blocks per Reserve/Commit
 
 
@@ -245,7 +247,7 @@ def restart_once(daemon: DaemonProcess, admin: Any, keys: LogKeys, head: int,
     report = recovery_seconds(daemon)
     with OffloadClient(daemon.target) as client:
         resident = client.stats()
-    row = {"history_records": head,
+    row: dict[str, Any] = {"history_records": head,
            "exec_to_serving_s": round(to_serving, 3),
            "cpu_to_serving_s": cpu_s,
            "recovery_s": report.get("seconds"),
@@ -285,7 +287,7 @@ def run_recovery(work: Path, sizes: list[int], cpu_blocks: int, profile_dir: str
     admin = redis.Redis.from_url(redis_proc.url)
     daemon = DaemonProcess(work / "offloadd", redis_proc.url, "default",
                            capacity_bytes=max(1 << 20, 2 * cpu_blocks * SLOT),
-                           extra_args=("--log-level", "INFO", *RETENTION))
+                           extra_args=("--log-level", "INFO", *RETENTION, *REDIS_TIMEOUT))
     rows: list[dict[str, Any]] = []
     base_args = list(daemon.args)
     # The measured restarts write no checkpoint of their own, so every restart at a size
@@ -296,7 +298,7 @@ def run_recovery(work: Path, sizes: list[int], cpu_blocks: int, profile_dir: str
         daemon.start()
         fill_s = fill_cpu_tier(daemon.target, cpu_blocks)
         print(f"stored {cpu_blocks} CPU-tier blocks in {fill_s:.1f} s", file=sys.stderr)
-        epoch = admin.get(keys.epoch).decode()
+        epoch = admin.get(keys.epoch).decode()  # type: ignore[union-attr]
         writer = HistoryWriter(admin, keys, epoch)
         for size in sizes:
             state = state_now(daemon, admin, keys)  # and kill -9
@@ -306,8 +308,13 @@ def run_recovery(work: Path, sizes: list[int], cpu_blocks: int, profile_dir: str
                 for name, args in trees:
                     daemon.kill()
                     daemon.args = args
-                    row = {"tree": name, "write_s": round(write_s, 1),
-                           **restart_once(daemon, admin, keys, head, profile_dir)}
+                    row = {"tree": name, "write_s": round(write_s, 1)}
+                    try:
+                        row.update(restart_once(daemon, admin, keys, head, profile_dir))
+                    except RuntimeError as exc:  # it did not start: a row that says so
+                        row.update(history_records=head, error=str(exc)[-2000:])
+                        daemon.args = measured  # running again for what follows
+                        daemon.start(timeout_s=120)
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
             daemon.args = base_args
@@ -330,7 +337,8 @@ def run_cost(work: Path, cpu_blocks: int, rounds: int, rate: float, scale: float
                                prepare=lambda target: fill_cpu_tier(target, cpu_blocks),
                                capacity_bytes=max(1 << 20, 2 * cpu_blocks * SLOT))
             out[mode].append({k: got.get(k) for k in ("p50_ms", "p99_ms", "lost", "received",
-                                                       "block_events_per_s", "checkpoints")})
+                                                       "block_events_per_s", "checkpoints",
+                                                       "checkpoint_bytes_max", "redis")})
             print(f"{mode}: {out[mode][-1]}", file=sys.stderr)
     p99 = {m: statistics.median(r["p99_ms"] for r in rows) for m, rows in out.items()}
     return {"block_events_per_s_paced": rate, "batches": len(batches[0]),
@@ -375,6 +383,8 @@ def main() -> int:
         if args.bytecode:  # inherited by the daemons this process starts
             os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
             os.environ["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
+            for tree in filter(None, (str(REPO), args.before_tree)):  # compiled before any start
+                subprocess.run([sys.executable, "-c", "import offloadd.__main__"], cwd=tree, check=True)
         if not args.skip_recovery:
             result["recovery"] = run_recovery(Path(tmp) / "rec", args.sizes, args.cpu_blocks,
                                               args.py_spy_dir, args.before_tree, args.restarts)
@@ -384,6 +394,9 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for row in result.get("recovery", []):
+        if "error" in row:
+            print(f"{row['tree']:>6} {row['history_records']:>10} records: did not start")
+            continue
         print(f"{row['tree']:>6} {row['history_records']:>10} records: SERVING {row['exec_to_serving_s']:.2f} s after "
               f"exec ({row['cpu_to_serving_s']} s of CPU; recovery {row['recovery_s']:.2f} s, tail {row['tail_records']}), used_memory "
               f"{row['used_memory'] / 2**20:.1f} MiB (goal {row['memory_goal_bytes'] / 2**20:.1f} MiB)")
