@@ -36,6 +36,7 @@ class KVCacheManager:
             for s in specs
         ]
         self.block_tables: dict[str, list[list[int]]] = {}
+        self._no_windows = all(s.sliding_window is None for s in specs)
 
     def take_events(self) -> list[Event]:
         """Drain the events recorded since the last call, in mutation order."""
@@ -125,6 +126,8 @@ class KVCacheManager:
         sliding-window blocks that no query can see any more to the pool."""
         table = self.block_tables[req.request_id]
         total = _cdiv(req.num_computed_tokens + num_new_tokens, self.block_size)
+        if self._no_windows and all(len(t) >= total for t in table):
+            return True  # most decodes: the tables hold the new slots already, nothing to free
         for pool, blocks in zip(self.pools, table, strict=True):
             first = first_visible_block(req.num_computed_tokens, pool.sliding_window, self.block_size)
             stale = [b for b in blocks[:first] if b != NULL_BLOCK_ID]
