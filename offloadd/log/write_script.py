@@ -57,17 +57,28 @@ if n > 0 and kind(2) == 'stream' then
     end
   end
 end
-local sizes = {[0xcc] = 1, [0xcd] = 2, [0xce] = 4, [0xcf] = 8}
+-- the source fence: a position not beyond the logged one is refused
 local function uint(s, i)
   local b = string.byte(s, i)
   if b == nil then return nil end
   if b < 0x80 then return 0, b, i + 1 end
-  local size = sizes[b]
-  if size == nil or #s < i + size then return nil end
-  local hi, lo = 0, 0
-  for j = i + 1, i + size - 4 do hi = hi * 256 + string.byte(s, j) end
-  for j = math.max(i + 1, i + size - 3), i + size do lo = lo * 256 + string.byte(s, j) end
-  return hi, lo, i + 1 + size
+  if b == 0xcf then
+    local h1, h2, h3, h4, l1, l2, l3, l4 = string.byte(s, i + 1, i + 8)
+    if l4 == nil then return nil end
+    return ((h1 * 256 + h2) * 256 + h3) * 256 + h4, ((l1 * 256 + l2) * 256 + l3) * 256 + l4, i + 9
+  end
+  if b == 0xce then
+    local l1, l2, l3, l4 = string.byte(s, i + 1, i + 4)
+    if l4 == nil then return nil end
+    return 0, ((l1 * 256 + l2) * 256 + l3) * 256 + l4, i + 5
+  end
+  if b == 0xcd then
+    local l1, l2 = string.byte(s, i + 1, i + 2)
+    if l2 == nil then return nil end
+    return 0, l1 * 256 + l2, i + 3
+  end
+  if b == 0xcc and #s > i then return 0, string.byte(s, i + 1), i + 2 end
+  return nil
 end
 local function position(s)
   if string.byte(s, 1) ~= 0x92 then return nil end
@@ -101,6 +112,7 @@ for r = 0, n - 1 do
     at[src] = new
   end
 end
+-- end of the source fence
 local op_kind = {HSET = 'hash', HDEL = 'hash', SADD = 'set', SREM = 'set'}
 local first_op = 5 + 4 * n
 local i = first_op
