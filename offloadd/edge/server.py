@@ -9,7 +9,6 @@ and benchmarks can run it in-process as well as through ``python -m offloadd``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import os
@@ -27,6 +26,7 @@ from redis.retry import Retry
 from events.state import CacheState
 from events.state_gc import GcPolicy
 from offloadd.config import OffloaddConfig
+from offloadd.edge.cancel import cancel_and_wait
 from offloadd.edge.service import Servicers
 from offloadd.fleet.block_port import BlockPort
 from offloadd.log.checkpoint import Checkpointer
@@ -276,10 +276,8 @@ class Daemon:
     async def _cancel_tasks(self) -> None:
         for task in (self._sweeper, self._audit, self._checkpoints, self._owner_keeper,
                      self._fleet_refresh, self._gc):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            if task is not None:  # one cancel can be lost on Python 3.11 (offloadd.edge.cancel)
+                await cancel_and_wait(task)
 
 
 async def create_server(config: OffloaddConfig) -> tuple[Daemon, Ports]:
