@@ -4,10 +4,12 @@ publisher) per namespace, and the checks that a node's tier, log, snapshot and b
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from events.logkeys import LogKeys
+from events.schema import Medium
 from events.state import CacheState
 from events.subscriber import KvEventSubscriber
 from offloadd.client import OffloadClient, OffloadClientError, StoreStats
@@ -23,6 +25,7 @@ from tests.support.synthetic_engine import (
 )
 
 NUM_SLOTS = 64
+TierId = tuple[str, Medium, int]  # (source, medium, group), as CacheState.view() keys them
 
 
 def namespaces_on_shards(cluster: RedisCluster, count: int) -> list[str]:
@@ -72,6 +75,15 @@ class Node:
         self.daemon.kill()
 
 
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``condition`` until it holds; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.01)
+
+
 def settled(client: OffloadClient, timeout_s: float = 10.0) -> StoreStats:
     """Stats once nothing is reserved or pinned (writes in doubt resolved, leases expired)."""
     deadline = time.monotonic() + timeout_s
@@ -91,17 +103,36 @@ def cpu_blocks(state: CacheState) -> int:
     return sum(len(v) for k, v in state.view().items() if k[1] == "CPU")
 
 
+def log_state(client: OffloadClient) -> CacheState:
+    state = CacheState()
+    for record in client.subscribe(1):
+        state.apply(record)
+    return state
+
+
+def quiet_state(client: OffloadClient, timeout_s: float = 15.0) -> CacheState:
+    """The log's state once the stopped engines' departures are in it (no GPU tier left, so
+    nothing more is appended): the state the Snapshot and the bridge must then show."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = log_state(client)
+        if not any(v for k, v in state.view().items() if k[1] == "GPU"):
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"GPU tiers left in the log after the engines stopped: {state.counts()}")
+        time.sleep(0.05)
+
+
 def check_node(node: Node) -> CacheState:
-    """The daemon's tier == the log's CPU tier == its Snapshot; every served block holds its
-    writer's bytes; the bridge's state (a fresh subscriber) == the log's. The log's state."""
+    """Once the engines are stopped and their departures logged: the daemon's tier == the log's
+    CPU tier == its Snapshot; every served block holds its writer's bytes; the bridge's state (a
+    fresh subscriber) == the log's. The log's state."""
     assert node.daemon.proc is not None and node.daemon.proc.poll() is None, node.daemon.log_tail()
     with OffloadClient(node.daemon.target) as client:
         stats = settled(client)
-        state = CacheState()
-        for record in client.subscribe(1):
-            state.apply(record)
+        state = quiet_state(client)
         snap = CacheState.from_snapshot(client.snapshot())
-        assert state.violations == []
+        assert state.violations == [], state.violations[:20]
         assert state == snap
         assert stats.num_blocks == cpu_blocks(state)
         arena = client.register_engine("checker", 1, "synthetic", [GROUP]).map_arena(0)
@@ -122,5 +153,13 @@ def check_node(node: Node) -> CacheState:
             got = {k: v for k, v in sub.view().items() if v}
             if got == want or time.monotonic() > deadline:
                 break
-    assert got == want, "the bridge's state is not the log's"
+    assert got == want, f"the bridge's state is not the log's: {_tier_diff(want, got)}"
     return state
+
+
+def _tier_diff(want: dict[TierId, frozenset[int]], got: dict[TierId, frozenset[int]]) -> str:
+    """Per tier that differs: blocks in the log, blocks at the bridge, a few that differ."""
+    none: frozenset[int] = frozenset()
+    return "; ".join(f"{k}: log {len(want.get(k, none))}, bridge {len(got.get(k, none))}, e.g. "
+                     f"{sorted(want.get(k, none) ^ got.get(k, none))[:5]}"
+                     for k in sorted(want.keys() | got.keys()) if want.get(k) != got.get(k))

@@ -4,8 +4,10 @@ A :class:`SyntheticStorer` stores chains of blocks (Reserve -> write the slot by
 shared arena -> Commit) and remembers, per full digest, the bytes it wrote, so a test can check
 any block the daemon later serves against what the writer wrote. A :class:`SyntheticPublisher`
 streams GPU-tier events through :class:`IngestStream` and keeps its own view of what it holds, so
-the reducer over the daemon's log can be compared with what the engine sent. Both run on a thread
-and survive a daemon that goes away (they count errors and keep going).
+the reducer over the daemon's log can be compared with what the engine sent; like a real engine
+(engine.ingest_sink), it re-announces that view when the stream starts a new incarnation (a new
+log epoch, a full queue), so its next deltas never name blocks the new incarnation lacks. Both
+run on a thread and survive a daemon that goes away (they count errors and keep going).
 """
 
 from __future__ import annotations
@@ -166,8 +168,12 @@ class SyntheticPublisher:
         self.max_resident = max_resident  # bounds the state (and so the daemon's memory) in long runs
         self.block_size = block_size
         self.rng = random.Random(seed)
-        self.stream = IngestStream(target, engine_id, incarnation, max_pending=1 << 16)
-        self.resident: list[int] = []
+        self.stream = IngestStream(target, engine_id, incarnation, max_pending=1 << 16,
+                                   on_reset=self._on_reset)
+        self.resident: list[int] = []  # one chain, parents first (removals take its tail)
+        self._tokens: dict[int, tuple[int, ...]] = {}
+        self._reset = threading.Event()  # the stream waits for our re-announce
+        self.num_resyncs = 0
         self.submitted = 0
         self.submit_times: dict[int, float] = {}  # seq -> perf_counter at submit
         self.ack_latency_s: list[float] = []
@@ -190,6 +196,8 @@ class SyntheticPublisher:
             n = self.rng.randint(1, min(4, len(self.resident)))
             victims = tuple(self.resident[-n:])
             del self.resident[-n:]
+            for h in victims:
+                del self._tokens[h]
             return [BlockRemoved(victims, "GPU")]
         n = self.rng.randint(1, 4)
         parent = self.resident[-1] if self.resident else None
@@ -197,10 +205,32 @@ class SyntheticPublisher:
         self._next += n
         self.resident.extend(hashes)
         tokens = tuple(self.rng.randrange(32000) for _ in range(n * self.block_size))
+        for k, h in enumerate(hashes):
+            self._tokens[h] = tokens[k * self.block_size : (k + 1) * self.block_size]
         return [BlockStored(hashes, parent, tokens, self.block_size, "GPU")]
+
+    def held(self) -> list[Event]:
+        """Everything resident, as one chain (the re-announce)."""
+        if not self.resident:
+            return []
+        tokens = tuple(t for h in self.resident for t in self._tokens[h])
+        return [BlockStored(tuple(self.resident), None, tokens, self.block_size, "GPU")]
+
+    def _on_reset(self, _incarnation: int) -> None:
+        # Called on the stream's thread (or ours, queue full): our own thread re-announces, so
+        # no delta of ours can slip between the view it reads and the resync (engine.ingest_sink).
+        self._reset.set()
+
+    def resync_if_reset(self) -> None:
+        """Re-announce the view when the stream asked for it (our thread, or after stop())."""
+        if self._reset.is_set():
+            self._reset.clear()
+            self.stream.resync(self.held())
+            self.num_resyncs += 1
 
     def _run(self) -> None:
         while not self._stop.is_set() and (self.max_batches is None or self.submitted < self.max_batches):
+            self.resync_if_reset()
             events = self.next_events()
             t0 = time.perf_counter()
             seq = self.stream.submit(events)
