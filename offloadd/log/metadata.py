@@ -56,6 +56,8 @@ _GROUP_MAX = 64
 
 
 class MetadataStore(LogReads):
+    """The namespace's single writer (module docstring) and its reads (LogReads)."""
+
     def __init__(self, client: aioredis.Redis, keys: LogKeys, state: CacheState) -> None:
         super().__init__(client, keys)
         self.state = state
@@ -224,7 +226,11 @@ class MetadataStore(LogReads):
         if self._in_doubt is None:
             return
         batch = self._in_doubt
-        landed = await read_back(self.client, self.keys, batch, self.head, self.owner)
+        try:
+            landed = await read_back(self.client, self.keys, batch, self.head, self.owner)
+        except LogConflict:
+            self._in_doubt = None  # settled: the log is not the daemon's (it stops)
+            raise
         self._in_doubt = None
         if landed:
             self._commit_locked(batch)
