@@ -23,7 +23,13 @@ from events.records import RECORD_FIELD, decode_record
 from events.schema import BlockStored, LogRecord
 from events.state import CacheState
 from offloadd.log.ingest import AckStatus, Ingest
-from offloadd.log.metadata import AlreadyLogged, Append, MetadataStore, RedisUnavailable
+from offloadd.log.metadata import (
+    AlreadyLogged,
+    Append,
+    ForeignEntry,
+    MetadataStore,
+    RedisUnavailable,
+)
 
 # Busy for ARGV[1] microseconds: Redis runs no other command meanwhile (well under the 5 s
 # after which it would answer BUSY).
@@ -182,3 +188,25 @@ def test_the_log_fences_each_source_by_incarnation_and_seq(redis_url: str) -> No
         ("e", 1, 1), ("e", 1, 2), ("f", 1, 1), ("e", 2, 1), ("e", 0, 0), ("e", 0, 0),
         ("big", big, 1), ("big", big + 1, 1),
     ]
+
+
+def test_a_position_that_is_not_ours_refuses_the_write(redis_url: str) -> None:
+    """A source's position in the sources hash that is not an (incarnation, seq) the daemon
+    wrote: the write is refused as a whole (ForeignEntry naming the source and kvctl), nothing
+    is written, and memory is unchanged."""
+    keys = LogKeys("badpos")
+    admin = redis.Redis.from_url(redis_url)
+    admin.hset(keys.sources, "e", b"\x92\xcf\x01")  # a truncated uint64
+
+    async def scenario() -> tuple[BaseException | LogRecord, int]:
+        client = aioredis.Redis.from_url(redis_url)
+        md = MetadataStore(client, keys, CacheState())
+        (got,) = await asyncio.gather(md.append(_append("e", 1, 1)), return_exceptions=True)
+        await client.aclose()
+        return got, md.head
+
+    got, head = asyncio.run(scenario())
+    assert isinstance(got, ForeignEntry)
+    assert "source 'e'" in str(got) and "kvctl repair" in str(got)
+    assert head == 0 and admin.xlen(keys.log) == 0 and admin.get(keys.head) is None
+    admin.close()
