@@ -36,6 +36,8 @@ from typing import Protocol
 from events.schema import BlockHash
 
 OVERLAY_S = 5.0
+STORED_MEMORY = 8192
+"""Blocks the stream showed the engine storing that are remembered (for the prediction truth)."""
 """How long a finished request's blocks count on the engine without their events in the view."""
 
 
@@ -62,16 +64,30 @@ class Pressure:
     _released: collections.OrderedDict[BlockHash, None] = field(default_factory=collections.OrderedDict)
     _last: dict[BlockHash, _Pending] = field(default_factory=dict)
     """Pending requests by their last block, for ``saw_stored``."""
+    _stored: collections.OrderedDict[BlockHash, None] = field(default_factory=collections.OrderedDict)
+    """The last STORED_MEMORY blocks the stream showed the engine storing."""
 
     def saw_stored(self, hashes: Sequence[BlockHash]) -> None:
-        """The engine's stream stored these blocks (called on the follower's thread: it only
-        reads ``_last`` and marks requests caught up)."""
-        last = self._last
-        if last:
-            for h in hashes:
-                p = last.get(h)
-                if p is not None:
-                    p.reflected = True
+        """The engine's stream stored these blocks (called on the follower's thread under the
+        view's lock: it reads ``_last``, marks requests caught up, and remembers the blocks)."""
+        last, stored = self._last, self._stored
+        for h in hashes:
+            p = last.get(h)
+            if p is not None:
+                p.reflected = True
+            stored[h] = None
+            stored.move_to_end(h)
+        while len(stored) > STORED_MEMORY:
+            stored.popitem(last=False)
+
+    def stored_run(self, gpu: GpuTier, hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks in the view or seen stored lately, evicted since or not (call under
+        the view's lock): what the engine can have reused, for the prediction truth."""
+        stored = self._stored
+        n = 0
+        while n < len(hashes) and (hashes[n] in gpu or hashes[n] in stored):
+            n += 1
+        return n
 
     def started(self, request_id: str, hashes: Sequence[BlockHash], cached_blocks: int) -> None:
         """A request went to the engine with ``cached_blocks`` of its ``hashes`` predicted cached."""

@@ -163,6 +163,9 @@ class Router:
             if state is None:
                 return 0
             g, c = prefix_run(state, hashes, engine)
+            # Blocks the engine stored and evicted again before the request ended count too: it
+            # reused them, the hashes agree (not a hash_mismatch).
+            g = max(g, engine.pressure.stored_run(state.resident(engine.spec.source, "GPU"), hashes))
         return (g + c) * self.config.block_size
 
     # -- forwarding --------------------------------------------------------------------------

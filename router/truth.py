@@ -4,7 +4,8 @@ reports it reused (``usage.prompt_tokens_details``), and why they differ.
 Outcomes:
 - ``agree``: the same number of tokens;
 - ``event_lag``: the engine reused more, and the router's view shows those blocks by the time
-  the request finished (their events had not reached it when it decided);
+  the request finished, or showed the engine storing them since the decision (their events had
+  not reached it when it decided);
 - ``hash_mismatch``: the engine reused more, and the router still cannot find them: its hashes
   differ from the engine's (seed, block size, algorithm, tokenizer or chat template);
 - ``eviction_race``: the engine reused less: blocks the view showed were evicted (or their

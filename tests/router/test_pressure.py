@@ -100,3 +100,11 @@ def test_a_request_is_caught_up_once_its_last_block_was_stored_even_if_evicted_s
     p.saw_stored(C)  # the stream stored them (and, say, evicted them again)
     assert p.surviving(gpu, A, 4, now=1.1) == 4
     assert p.num_pending == 0
+
+
+def test_blocks_seen_stored_count_for_the_truth_even_when_evicted_since() -> None:
+    p = Pressure(pool_blocks=10)
+    p.saw_stored(A)
+    assert p.stored_run(set(), [*A, *B]) == 4  # evicted again: not a hash mismatch
+    assert p.stored_run(set(B), [*B, *A]) == 8
+    assert p.stored_run(set(), B) == 0
