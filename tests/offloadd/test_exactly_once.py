@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -57,7 +58,8 @@ def _append(source: str, incarnation: int, seq: int, reverted: list[int] | None 
 def _logged(redis_url: str, keys: LogKeys) -> list[tuple[str, int, int]]:
     admin = redis.Redis.from_url(redis_url)
     try:
-        records = [decode_record(f[RECORD_FIELD]) for _, f in admin.xrange(keys.log)]
+        entries: Any = admin.xrange(keys.log)
+        records = [decode_record(f[RECORD_FIELD]) for _, f in entries]
     finally:
         admin.close()
     return [(r.source, r.incarnation, r.source_seq) for r in records]
@@ -145,7 +147,7 @@ def test_the_log_refuses_a_record_whose_write_was_in_doubt(redis_url: str) -> No
             md.append(_append("e", 1, 2, reverted)), md.append(_append("e", 1, 3, reverted)),
             return_exceptions=True)
         await client.aclose()
-        return outcomes, reverted, md
+        return list(outcomes), reverted, md
 
     outcomes, reverted, md = asyncio.run(scenario())
     assert isinstance(outcomes[0], AlreadyLogged)
