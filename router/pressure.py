@@ -36,9 +36,11 @@ from typing import Protocol
 from events.schema import BlockHash
 
 OVERLAY_S = 5.0
+"""How long a finished request's blocks count on the engine without their events in the view."""
 STORED_MEMORY = 8192
 """Blocks the stream showed the engine storing that are remembered (for the prediction truth)."""
-"""How long a finished request's blocks count on the engine without their events in the view."""
+RELEASED_MEMORY = 65_536
+"""Released blocks kept in LRU order at most (the oldest go first; a pool holds fewer)."""
 
 
 class GpuTier(Container[BlockHash], Sized, Protocol):
@@ -110,12 +112,18 @@ class Pressure:
         for h in reversed(p.hashes):
             released[h] = None
             released.move_to_end(h)
-        if p.reflected:
-            del self._pending[request_id]
-            if self._last.get(p.hashes[-1]) is p:
-                del self._last[p.hashes[-1]]
-        else:
-            p.finished_at = time.monotonic() if now is None else now
+        while len(released) > RELEASED_MEMORY:
+            released.popitem(last=False)
+        now = time.monotonic() if now is None else now
+        p.finished_at = now
+        for rid, q in list(self._pending.items()):  # those the view caught up with, or never will
+            if q.finished_at is not None and (q.reflected or now - q.finished_at > OVERLAY_S):
+                self._drop(rid, q)
+
+    def _drop(self, request_id: str, p: _Pending) -> None:
+        del self._pending[request_id]
+        if self._last.get(p.hashes[-1]) is p:
+            del self._last[p.hashes[-1]]
 
     @property
     def num_pending(self) -> int:
@@ -153,9 +161,7 @@ class Pressure:
             if not p.reflected and p.hashes[-1] in gpu:
                 p.reflected = True
             if p.finished_at is not None and (p.reflected or now - p.finished_at > OVERLAY_S):
-                del self._pending[rid]
-                if self._last.get(p.hashes[-1]) is p:
-                    del self._last[p.hashes[-1]]
+                self._drop(rid, p)
                 continue
             if p.finished_at is None:
                 in_flight += 1

@@ -108,3 +108,13 @@ def test_blocks_seen_stored_count_for_the_truth_even_when_evicted_since() -> Non
     assert p.stored_run(set(), [*A, *B]) == 4  # evicted again: not a hash mismatch
     assert p.stored_run(set(B), [*B, *A]) == 8
     assert p.stored_run(set(), B) == 0
+
+
+def test_records_do_not_grow_without_a_view() -> None:
+    """No pool size and no events (another engine kind, or no bridge): finished requests are
+    forgotten after the overlay time, not kept for ever."""
+    p = Pressure()
+    for i in range(100):
+        p.started(f"r{i}", _h(10 + i, 3), 0)
+        p.finished(f"r{i}", now=2.0 * i * OVERLAY_S)
+    assert p.num_pending == 1
