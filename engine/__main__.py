@@ -150,7 +150,12 @@ def _make_tiny(a: argparse.Namespace) -> int:
         max_position_embeddings=a.max_position_embeddings, hybrid=a.hybrid, sliding_window=a.sliding_window,
         tie_word_embeddings=a.tie_word_embeddings, num_shards=a.num_shards, seed=a.seed,
     )
-    if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads or spec.num_shards < 1:
+    sizes = {k: getattr(spec, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                           "num_layers", "num_heads", "num_kv_heads",
+                                           "max_position_embeddings", "num_shards")}
+    if bad := [f"--{k.replace('_', '-')} {v}" for k, v in sizes.items() if v < 1]:
+        raise ValueError(f"sizes must be >= 1: {', '.join(bad)}")
+    if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads, num_heads by num_kv_heads; num_shards >= 1")
     print(write_tiny_model(a.dir, spec))
     return 0
@@ -177,19 +182,22 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from engine.engine_core import EngineCore
-    from engine.engine_loop import EngineLoop
-    from engine.server import create_server
-    from engine.shutdown import SERVER_MARGIN_S, Serving
     from rpc.tls import ClientSecurity, check_server_tls, read_token, server_credentials
 
-    if not a.shutdown_grace_s >= 0:
-        raise ValueError(f"--shutdown-grace-s must be >= 0, got {a.shutdown_grace_s}")
-    cfg = _engine_config(a)
+    # Files first: a bad one is refused before the model and torch load.
     check_server_tls(a.tls_cert, a.tls_key, a.tls_client_ca)
     server_creds = server_credentials(a.tls_cert, a.tls_key, a.tls_client_ca) if a.tls_cert else None
     token = read_token(a.auth_token_file) if a.auth_token_file else None
     to_offloadd = ClientSecurity.from_files(a.offloadd_ca, a.offloadd_cert, a.offloadd_key, a.offloadd_token_file)
+
+    from engine.engine_core import EngineCore
+    from engine.engine_loop import EngineLoop
+    from engine.server import create_server
+    from engine.shutdown import SERVER_MARGIN_S, Serving
+
+    if not a.shutdown_grace_s >= 0:
+        raise ValueError(f"--shutdown-grace-s must be >= 0, got {a.shutdown_grace_s}")
+    cfg = _engine_config(a)
     sink = None
     if a.offloadd:
         from engine.ingest_sink import IngestEventSink

@@ -21,6 +21,7 @@ from engine.engine_loop import EngineLoop
 from engine.errors import EngineError, EngineStopped, InvalidRequest
 from engine.sampling import SamplingParams
 from rpc.auth import SyncTokenInterceptor
+from rpc.listen import add_port
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,4 @@ def create_server(
         (GENERATE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {address}")
-    return server, port
+    return server, add_port(server, address, credentials)

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvcache.v1 import generate_pb2, generate_pb2_grpc
 
 from router.service import Router
+from rpc.listen import add_port
 
 log = logging.getLogger("kv-router")
 
@@ -108,9 +109,7 @@ async def start_grpc(router: Router, host: str, port: int) -> tuple[grpc.aio.Ser
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", GENERATE_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = add_port(server, f"{host}:{port}")
     await server.start()
     log.info("gRPC Generate on port %d", bound)
     return server, front

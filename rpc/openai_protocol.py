@@ -124,6 +124,12 @@ def parse_body(model: type[M], body: bytes) -> M:
         raise OpenAIError(400, f"the body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise OpenAIError(400, "the body must be a JSON object")
+    if b"\\ud" in body.lower():  # an escaped surrogate: JSON allows a lone one, UTF-8 does not
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise OpenAIError(400, "the body holds a lone UTF-16 surrogate escape "
+                                   f"({exc.object[exc.start:exc.end]!a}); text must be valid Unicode") from exc
     try:
         parsed = model.model_validate(data)
     except ValidationError as exc:
@@ -174,7 +180,8 @@ def models_list(names: list[str]) -> dict[str, Any]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """OpenAIError, and FastAPI's own errors (unknown path, wrong method), in OpenAI's shape."""
+    """OpenAIError, FastAPI's own errors (unknown path, wrong method) and any other exception
+    (500), in OpenAI's shape."""
 
     async def openai_error(_request: Request, exc: Exception) -> Response:
         assert isinstance(exc, OpenAIError)
@@ -186,5 +193,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(OpenAIError(exc.status_code, str(exc.detail), kind).body(),
                             status_code=exc.status_code)
 
+    async def internal_error(_request: Request, exc: Exception) -> Response:
+        # Still logged with its traceback by the server; the client gets the API's shape.
+        return JSONResponse(OpenAIError(500, f"internal error ({type(exc).__name__})",
+                                        "internal_server_error").body(), status_code=500)
+
     app.add_exception_handler(OpenAIError, openai_error)
     app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)

@@ -43,6 +43,15 @@ def read_file(path: str, what: str) -> bytes:
     return data
 
 
+def read_pem(path: str, what: str) -> bytes:
+    """A certificate, key or CA bundle file; refused unless it holds a PEM block (gRPC would
+    only fail later, at bind or connect, with a message that names neither file)."""
+    data = read_file(path, what)
+    if b"-----BEGIN " not in data:
+        raise SecurityConfigError(f"{what} {path!r} is not PEM (no '-----BEGIN ...' block)")
+    return data
+
+
 def read_token(path: str, *, warn: bool = True) -> str:
     """The bearer token in ``path`` (surrounding whitespace stripped); refused if empty. A file
     every user may read gets a warning, not a refusal: Kubernetes mounts secrets 0644 by
@@ -65,11 +74,11 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str = "") 
     signed by that CA (mutual TLS)."""
     if not cert_file or not key_file:
         raise SecurityConfigError("TLS needs both a certificate file and a key file")
-    cert = read_file(cert_file, "TLS certificate")
-    key = read_file(key_file, "TLS key")
+    cert = read_pem(cert_file, "TLS certificate")
+    key = read_pem(key_file, "TLS key")
     if not client_ca_file:
         return grpc.ssl_server_credentials([(key, cert)])
-    ca = read_file(client_ca_file, "client CA")
+    ca = read_pem(client_ca_file, "client CA")
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
 
 
@@ -177,9 +186,9 @@ class ClientSecurity:
             raise SecurityConfigError("a client certificate needs both --*-cert and --*-key")
         credentials = None
         if ca_file or cert_file:
-            ca = read_file(ca_file, "CA certificate") if ca_file else None
-            key = read_file(key_file, "client key") if key_file else None
-            cert = read_file(cert_file, "client certificate") if cert_file else None
+            ca = read_pem(ca_file, "CA certificate") if ca_file else None
+            key = read_pem(key_file, "client key") if key_file else None
+            cert = read_pem(cert_file, "client certificate") if cert_file else None
             credentials = grpc.ssl_channel_credentials(ca, key, cert)
         return cls(credentials, read_token(token_file) if token_file else None)
 

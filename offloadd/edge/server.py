@@ -41,6 +41,7 @@ from offloadd.tier.source import DAEMON_SOURCE
 from offloadd.tier.store import HostStore
 from offloadd.tier.writes import StoreWriter
 from rpc.auth import AioTokenInterceptor
+from rpc.listen import add_port
 from rpc.redis_connect import connect_async
 from rpc.tls import read_token, server_credentials
 
@@ -163,10 +164,7 @@ class Daemon:
         )
         cfg = self.config
         address = f"{cfg.grpc_host}:{cfg.grpc_port}"
-        if self._tls is not None:
-            grpc_port = self.server.add_secure_port(address, self._tls)
-        else:
-            grpc_port = self.server.add_insecure_port(address)
+        grpc_port = add_port(self.server, address, self._tls)
         self._warn_if_exposed()
         metrics_port = -1 if cfg.metrics_port < 0 else self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
         if cfg.unix_socket:
@@ -193,7 +191,7 @@ class Daemon:
         cfg = self.config
         old_umask = os.umask(0o177)
         try:
-            self.server.add_insecure_port(f"unix:{cfg.unix_socket}")
+            add_port(self.server, f"unix:{cfg.unix_socket}")
         finally:
             os.umask(old_umask)
         gid = cfg.unix_socket_gid

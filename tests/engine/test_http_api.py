@@ -149,7 +149,10 @@ def test_errors_in_openai_shape(client: openai.OpenAI, server: tuple[ThreadedHtt
                        ("/v1/completions", b'{"prompt": "x", "temperature": 1e999}'),
                        ("/v1/completions", b'{"prompt": "x", "stop": [""]}'),
                        ("/v1/completions", b'{"prompt": "x", "stop_token_ids": [-1]}'),
-                       ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}')):
+                       ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}'),
+                       # a lone surrogate escape: valid JSON, not UTF-8 (was a bare 500)
+                       ("/v1/completions", b'{"prompt": "x \\udc80"}'),
+                       ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\uD800"}]}')):
         status, answer = _raw(port, path, body)
         assert status in (400, 404), (path, body)
         assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["message"]

@@ -110,12 +110,14 @@ def test_errors_come_back_in_openai_shape(fleet: Fleet) -> None:
         _complete(client, "z" * 3000)
     with pytest.raises(openai.BadRequestError, match="one prompt"):
         client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=1)
-    req = urllib.request.Request(f"{fleet.router.url}/v1/chat/completions", data=b"{oops",
-                                 headers={"content-type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(req, timeout=5)
-    assert err.value.code == 400
-    assert set(__import__("json").loads(err.value.read())["error"]) == {"message", "type", "param", "code"}
+    # {oops: not JSON; a lone surrogate escape: JSON, not UTF-8 (was a bare 500, not this shape)
+    for body in (b"{oops", b'{"model": "tiny", "messages": [{"role": "user", "content": "a \\udc80"}]}'):
+        req = urllib.request.Request(f"{fleet.router.url}/v1/chat/completions", data=body,
+                                     headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=5)
+        assert err.value.code == 400, body
+        assert set(__import__("json").loads(err.value.read())["error"]) == {"message", "type", "param", "code"}
     assert [m.id for m in client.models.list()] == ["tiny"]
     metrics = urllib.request.urlopen(f"{fleet.router.url}/metrics", timeout=5).read().decode()
     assert 'kv_router_decisions_total{engine="' in metrics and 'reason="gpu_prefix"' in metrics
