@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +20,8 @@ from events.schema import BlockStored, LogRecord
 from events.state import CacheState
 from offloadd.log.forked_export import ExportFailed, export_chunks
 from tests.support.child_process import REPO
+from tests.support.offloadd_proc import DaemonProcess
+from tests.support.synthetic_engine import SyntheticPublisher, SyntheticStorer
 
 
 def _state(n: int) -> CacheState:
@@ -99,3 +104,31 @@ def test_with_grpc_fork_handlers_on_export_children_die() -> None:
     again in the child, and children die (status 11; 9 of 50 on the 2-core machine)."""
     got = _exports_under_grpc(100, "1")
     assert got["failed"], got
+
+
+def test_a_serving_daemon_forks_fifty_exports_and_no_child_dies(tmp_path: Path, redis_url: str) -> None:
+    """The real daemon, a checkpoint every 50 ms while an engine streams GPU-tier batches and a
+    storer stores through gRPC: 50 forked exports written, not one fell back to the loop."""
+    daemon = DaemonProcess(tmp_path / "d", redis_url, "forks", extra_args=(
+        "--checkpoint-interval-s", "0.05", "--checkpoint-records", "1000000"))
+    daemon.start()
+    pub = SyntheticPublisher(daemon.target, "forks-gpu", pause_s=0.002, max_resident=2000).start()
+    storer = SyntheticStorer(daemon.target, "forks-store", chain_len=4, pause_s=0.01).start()
+    try:
+        deadline = time.monotonic() + 90
+        while daemon.log_path.read_text().count("checkpoint or trim failed") == 0 and _written(daemon) < 50:
+            assert time.monotonic() < deadline, daemon.log_tail()
+            time.sleep(0.2)
+    finally:
+        storer.stop()
+        pub.stop()
+        pub.close()
+        assert daemon.stop() == 0, daemon.log_tail()
+    text = daemon.log_path.read_text()
+    assert "export child failed" not in text and "checkpoint or trim failed" not in text, daemon.log_tail()
+    assert _written(daemon) >= 50 and storer.stats.stores > 0 and pub.stream.acked_seq > 0
+
+
+def _written(daemon: DaemonProcess) -> int:
+    """Checkpoints the daemon logged as written."""
+    return len(re.findall(r'"msg": "checkpoint \S+ written', daemon.log_path.read_text()))
