@@ -184,8 +184,8 @@ class Checkpointer:
     async def write(self) -> Manifest | None:
         """Write a checkpoint of the state now; None when there is nothing new.
 
-        A forked export child that dies (a fork of a threaded process can crash in the child:
-        status 11 was seen once in a full test run) costs one export in the loop, not the
+        A forked export child that dies (status 11 was seen while gRPC's fork handlers were on,
+        DECISIONS 51; anything else that kills it) costs one export in the loop, not the
         checkpoint: the stall of the pre-fork path, the guarantee kept."""
         try:
             return await self._write(self.fork)
