@@ -52,6 +52,7 @@ def create_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate) -
                 "requests_running": len(sched.running), "requests_waiting": len(sched.waiting),
                 "gpu_blocks": pool.num_blocks, "gpu_blocks_free": pool.num_free_blocks,
                 "gpu_blocks_cached": len(pool.hash_to_block),
+                "prefix_hold": sched.holds.enabled,
                 "prefix_holds": sched.holds.num_held, "prefix_holds_dropped": sched.holds.num_dropped}
 
     @app.get("/v1/models")

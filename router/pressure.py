@@ -62,6 +62,10 @@ class _Pending:
 class Pressure:
     pool_blocks: int = 0
     """The engine's GPU pool (its /health ``gpu_blocks``); 0: unknown, the view is used as is."""
+    holds: bool = False
+    """The engine holds a queued request's prefix from its arrival (its /health ``prefix_hold``):
+    what it allocates after the request arrives cannot evict that prefix, so only the demand
+    already allocated counts: requests whose first token came, or that finished."""
     _pending: dict[str, _Pending] = field(default_factory=dict)
     _released: collections.OrderedDict[BlockHash, None] = field(default_factory=collections.OrderedDict)
     _last: dict[BlockHash, _Pending] = field(default_factory=dict)
@@ -166,8 +170,10 @@ class Pressure:
             if p.finished_at is None:
                 in_flight += 1
             if not p.reflected:
-                missing.update(h for h in p.hashes[p.cached :] if h not in gpu)
-                if p.prefilled or p.finished_at is not None:
+                done = p.prefilled or p.finished_at is not None
+                if done or not self.holds:
+                    missing.update(h for h in p.hashes[p.cached :] if h not in gpu)
+                if done:
                     overlay.update(p.hashes)
         return len(missing), in_flight, overlay
 
