@@ -38,12 +38,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="logs, the private Redis's data, the demo model and PNG (default ./run)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""),
                    help="use this Redis instead of starting a private redis-server (env REDIS_URL)")
-    p.add_argument("--namespace", default=os.environ.get("KV_NAMESPACE", "demo"))
+    p.add_argument("--namespace", default=os.environ.get("KV_NAMESPACE", "demo"),
+                   help="offloadd's namespace: its Redis keys and arena file names (env KV_NAMESPACE; "
+                        "default demo); one kv-stack per namespace and arena directory")
     p.add_argument("--model", default=None, help="a Hugging Face model directory (default: a small random one)")
     p.add_argument("--hybrid", action="store_true", help="the random model gets sliding-window layers")
     p.add_argument("--gpu-blocks", type=int, default=48, help="GPU-tier (KV pool) blocks per engine")
     p.add_argument("--arena-bytes", type=int, default=512 << 20, help="host-tier capacity")
-    p.add_argument("--arena-dir", default="/dev/shm")
+    p.add_argument("--arena-dir", default="/dev/shm", help="where the host tier's shared-memory files go")
+    p.add_argument("--keep-arena", action="store_true",
+                   help="leave the host tier's files in --arena-dir after a stop, for the next start "
+                        "to recover (default: removed, so a stop frees that memory)")
     p.add_argument("--engines", type=int, default=2, help="engines behind kv-router")
     p.add_argument("--policy", default="kv", choices=["kv", "round-robin", "least-loaded", "random"],
                    help="kv-router's routing policy")
@@ -57,6 +62,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _next_steps(router: str, pub: str, replay: str, topic: str, run_dir: Path) -> str:
+    kvctl = Path(sys.executable).with_name("kvctl")
+    body = '{"model": "demo", "prompt": "hello", "max_tokens": 8}'
+    return (f"\n  next:\n"
+            f"    curl -si {router}/v1/completions -H 'content-type: application/json' -d '{body}'\n"
+            f"        a completion through kv-router: headers x-kv-engine, x-kv-route-reason say where and why\n"
+            f"    {kvctl} tail --pub {pub} --replay {replay} --topic {topic}\n"
+            f"        the KV events as the engines and offloadd log them (Ctrl-C ends it)\n"
+            f"    {router}/   the router's fleet page in a browser; logs in {run_dir}/*.log\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     run_dir = Path(args.run_dir).resolve()
@@ -65,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=Path(args.model).resolve() if args.model else None, hybrid=args.hybrid,
         arena_bytes=args.arena_bytes, num_gpu_blocks=args.gpu_blocks, arena_dir=args.arena_dir,
         num_engines=args.engines, router_policy=args.policy, vllm_demo=args.vllm_demo,
-        second_node=args.second_node,
+        second_node=args.second_node, keep_arena=args.keep_arena,
     )
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
@@ -95,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_cross_node(ep.engine_urls[0], ep.node2_engine_url)
         if args.command == "demo":
             return 0
-        print("\nkv-stack: the stack is up; Ctrl-C stops it.", flush=True)
+        print(_next_steps(ep.router, ep.bridge_pub, ep.bridge_replay, config.topic, run_dir), flush=True)
+        print("kv-stack: the stack is up; Ctrl-C stops it.", flush=True)
         while True:
             stack.sup.check_alive()
             time.sleep(0.5)

@@ -4,11 +4,14 @@ logs in the run directory."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
 import socket
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TextIO
 
 from stack.healthcheck import grpc_serving, http_ok
 from stack.supervisor import StackError, Supervisor
@@ -33,6 +36,8 @@ class StackConfig:
     vllm_demo: bool = False
     """Also start a vLLM-style engine (ingest.demo_engine) and kv-ingest following it into the
     log as the source ``vllm-demo``."""
+    keep_arena: bool = False
+    """Leave the host tiers' arena files in ``arena_dir`` after a stop (default: removed)."""
     second_node: bool = False
     """Also start a second node on the same Redis: its own offloadd (namespace
     ``<namespace>-node2``, node 1's daemon as its fleet peer) and arena, and one engine on it
@@ -86,9 +91,11 @@ class Stack:
         self.model_dir = config.model_dir or config.run_dir / "model"
         self._engine_count = 0
         self.endpoints: Endpoints | None = None
+        self._lock: TextIO | None = None
 
     def up(self) -> Endpoints:
         cfg = self.config
+        self._lock_namespace()
         redis_url = cfg.redis_url or self._start_redis()
         # Through the environment, not argv: a password in a URL must not show in `ps`.
         self.sup.env.update(KVD_REDIS_URL=redis_url, REDIS_URL=redis_url)
@@ -189,6 +196,46 @@ class Stack:
 
     def down(self) -> None:
         self.sup.stop_all()
+        if self._lock is not None:  # only a stack that owned the namespace removes its files
+            if not self.config.keep_arena:
+                self._remove_arenas()
+            self._lock.close()
+            self._lock = None
+
+    def _lock_namespace(self) -> None:
+        """Two stacks on one namespace and arena directory (two clones, two terminals) would
+        share the arena files, each daemon writing blocks the other's log never recorded."""
+        cfg = self.config
+        path = Path(cfg.arena_dir) / f"kvd-{cfg.namespace}.stack-lock"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(path, "a+")  # noqa: SIM115 - held open until down()
+        except OSError as exc:
+            raise StackError(f"cannot use the arena directory {cfg.arena_dir}: {exc}") from exc
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            raise StackError(f"namespace {cfg.namespace!r} in {cfg.arena_dir} is in use by another kv-stack "
+                             f"({holder}); stop it, or give this one --namespace NAME") from None
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()}, run dir {cfg.run_dir}\n")
+        lock.flush()
+        self._lock = lock
+
+    def _remove_arenas(self) -> None:
+        """The host tiers' files in the arena directory (shared memory: RAM until removed), once
+        their daemons stopped. A later start finds no arena id and begins with an empty host
+        tier (offloadd.log.recovery), which its log records; --keep-arena keeps them instead."""
+        cfg = self.config
+        names = [cfg.namespace] + ([f"{cfg.namespace}-node2"] if cfg.second_node else [])
+        arena = Path(cfg.arena_dir)
+        for ns in names:
+            for path in [*arena.glob(f"kvd-{ns}-L*-C*"), arena / f"kvd-{ns}.arena-id"]:
+                path.unlink(missing_ok=True)
+        (arena / f"kvd-{cfg.namespace}.stack-lock").unlink(missing_ok=True)
 
     def _start_redis(self) -> str:
         exe = shutil.which("redis-server")

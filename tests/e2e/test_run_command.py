@@ -93,12 +93,23 @@ def test_run_command_stops_everything_on_sigterm(tmp_path: Path) -> None:
         started = _started("".join(lines))
         assert set(started) == {"redis", "offloadd", "kv-bridge", "engine-0", "engine-1", "kv-router"}, "".join(lines)
         assert _alive(started) == list(started)
+        assert "next:" in "".join(lines) and "/v1/completions" in "".join(lines)  # what to try
         _examples_work_against("".join(lines))
+        # a second stack on the same namespace and arena files is refused before it starts anything
+        second = subprocess.run(
+            [sys.executable, "-m", "stack", "up", "--no-demo", f"--run-dir={tmp_path / 'run2'}",
+             f"--arena-dir={tmp_path / 'arena'}"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+            timeout=120)
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert "namespace 'demo' in " in second.stderr and "in use by another kv-stack (pid " in second.stderr
+        assert "Traceback" not in second.stderr and "  redis " not in second.stdout
+        assert any((tmp_path / "arena").glob("kvd-demo-L*")), "the first stack's arena is untouched"
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, "".join(lines) + rest
         assert "kv-stack: stopped" in rest
         assert _alive(started) == []
+        assert sorted(p.name for p in (tmp_path / "arena").iterdir()) == []  # shared memory freed
     finally:
         if proc.poll() is None:  # a failed assertion must not leave the stack running
             proc.send_signal(signal.SIGTERM)
