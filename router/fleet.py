@@ -113,4 +113,3 @@ class Fleet:
         engine.engine_waiting = waiting if isinstance(waiting, int) and waiting >= 0 else 0
         pool = body.get("gpu_blocks")  # our engines say; others do not (the view is used as is)
         engine.pressure.pool_blocks = pool if type(pool) is int and pool > 0 else 0
-        engine.pressure.holds = body.get("prefix_hold") is True

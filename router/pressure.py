@@ -62,10 +62,6 @@ class _Pending:
 class Pressure:
     pool_blocks: int = 0
     """The engine's GPU pool (its /health ``gpu_blocks``); 0: unknown, the view is used as is."""
-    holds: bool = False
-    """The engine holds a queued request's prefix from its arrival (its /health ``prefix_hold``):
-    what it allocates after the request arrives cannot evict that prefix, so only the demand
-    already allocated counts: requests whose first token came, or that finished."""
     _pending: dict[str, _Pending] = field(default_factory=dict)
     _released: collections.OrderedDict[BlockHash, None] = field(default_factory=collections.OrderedDict)
     _last: dict[BlockHash, _Pending] = field(default_factory=dict)
@@ -170,10 +166,11 @@ class Pressure:
             if p.finished_at is None:
                 in_flight += 1
             if not p.reflected:
-                done = p.prefilled or p.finished_at is not None
-                if done or not self.holds:
-                    missing.update(h for h in p.hashes[p.cached :] if h not in gpu)
-                if done:
+                # All of it, also with engines that hold a queued prefix: counting only requests
+                # that produced a token (their allocations certainly done) missed whole
+                # documents evicted before the arrival (BENCHMARKS routing, 799bc2d).
+                missing.update(h for h in p.hashes[p.cached :] if h not in gpu)
+                if p.prefilled or p.finished_at is not None:
                     overlay.update(p.hashes)
         return len(missing), in_flight, overlay
 

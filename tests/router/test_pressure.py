@@ -119,14 +119,3 @@ def test_records_do_not_grow_without_a_view() -> None:
         p.finished(f"r{i}", now=2.0 * i * OVERLAY_S)
     assert p.num_pending == 1
 
-
-def test_with_engine_holds_only_allocated_demand_counts() -> None:
-    """The engine holds a request's prefix from its arrival: a request in flight that has not
-    produced a token yet allocates (mostly) after that, so it cannot evict the prefix."""
-    p, gpu = Pressure(pool_blocks=10, holds=True), set[BlockHash]()
-    _released(p, "a", A, gpu)
-    _released(p, "b", B, gpu)
-    p.started("c", C, 0)
-    assert p.surviving(gpu, A, 4, now=1.0) == 4
-    p.prefilled("c")  # its blocks are allocated now (their events not in the view yet)
-    assert p.surviving(gpu, A, 4, now=1.0) == 2
