@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 SSE_DONE: Final = b"data: [DONE]\n\n"
 REQUEST_ID_HEADER: Final = "x-request-id"
@@ -181,7 +182,7 @@ def models_list(names: list[str]) -> dict[str, Any]:
 
 def install_error_handlers(app: FastAPI) -> None:
     """OpenAIError, FastAPI's own errors (unknown path, wrong method) and any other exception
-    (500), in OpenAI's shape."""
+    (500), in OpenAI's shape; a client gone before its body arrived, quietly."""
 
     async def openai_error(_request: Request, exc: Exception) -> Response:
         assert isinstance(exc, OpenAIError)
@@ -193,6 +194,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(OpenAIError(exc.status_code, str(exc.detail), kind).body(),
                             status_code=exc.status_code)
 
+    async def client_gone(_request: Request, exc: Exception) -> Response:
+        # The client left while its body was read: nobody gets this answer, and a slow-body
+        # flood must not fill the log with one traceback per connection.
+        return Response(status_code=400)
+
     async def internal_error(_request: Request, exc: Exception) -> Response:
         # Still logged with its traceback by the server; the client gets the API's shape.
         return JSONResponse(OpenAIError(500, f"internal error ({type(exc).__name__})",
@@ -200,4 +206,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(OpenAIError, openai_error)
     app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(ClientDisconnect, client_gone)
     app.add_exception_handler(Exception, internal_error)

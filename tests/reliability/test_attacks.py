@@ -6,7 +6,10 @@ After every scenario the daemon still serves a well-behaved client, and what it 
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +17,7 @@ from pathlib import Path
 import cbor2
 import grpc
 import pytest
+import zmq
 from kvcache.v1 import events_pb2, log_pb2, log_pb2_grpc
 
 from events.codec_proto import EventBatch, batch_to_proto
@@ -29,6 +33,7 @@ from offloadd.client import (
 )
 from tests.offloadd.conftest import GROUP, SLOT, chain, digest
 from tests.reliability.test_engine_kill9 import _generate, _serve
+from tests.support.bridge_proc import BridgeProcess, FleetSimulator, LogWriter
 from tests.support.offloadd_proc import DaemonProcess
 
 ACK = log_pb2.PublishAck
@@ -173,3 +178,119 @@ def test_sigterm_exits_within_5s_with_engines_connected(
                    and any(isinstance(e, AllBlocksCleared) for e in r.events)]
         assert cleared == []
         assert {s.source for s in fresh.snapshot().sources} >= {f"conn-{i}" for i in range(3)}
+
+
+def _replay_all(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> list[int]:
+    """Seqs of a whole replay from 0 (up to the end marker)."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs: list[int] = []
+        while True:
+            assert dealer.poll(10_000), "replay did not finish"
+            frames = dealer.recv_multipart()
+            if frames[2] == b"\xff" * 8:
+                return seqs
+            seqs.append(int.from_bytes(frames[2], "big"))
+    finally:
+        dealer.close()
+
+
+def test_bridge_replay_socket_survives_floods(redis_url: str, tmp_path: Path) -> None:
+    """The ZMQ replay door: raw TCP connections sending garbage (not ZMTP) and held open, one
+    64 MiB frame, and replay clients that ask for the whole log and never read (their replies
+    fill a send queue of HWM 10): a well-behaved client is still answered in full, in order,
+    the bridge stays healthy, and it stops cleanly."""
+    import redis as redis_lib
+
+    client = redis_lib.Redis.from_url(redis_url)
+    sim, writer = FleetSimulator(["eng-a"], seed=11), LogWriter(client)
+    sim.write(writer, 30)
+    bridge = BridgeProcess(redis_url, tmp_path, "--hwm", "10")
+    bridge.start()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    held: list[socket.socket] = []
+    greedy: list[zmq.Socket[bytes]] = []
+    try:
+        assert _replay_all(ctx, bridge.replay) == list(range(30))
+        for _ in range(100):
+            s = socket.create_connection(("127.0.0.1", bridge.replay_port), timeout=5)
+            s.sendall(os.urandom(256))
+            held.append(s)
+        big = ctx.socket(zmq.DEALER)
+        big.setsockopt(zmq.LINGER, 0)
+        big.connect(bridge.replay)
+        big.send_multipart([b"", b"x" * (64 << 20)])
+        greedy.append(big)
+        for _ in range(50):
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.setsockopt(zmq.RCVHWM, 1)
+            d.connect(bridge.replay)
+            d.send_multipart([b"", (0).to_bytes(8, "big")])
+            greedy.append(d)
+        time.sleep(1)
+        assert _replay_all(ctx, bridge.replay) == list(range(30))
+        assert bridge.health()[0] == 200
+    finally:
+        for s in held:
+            s.close()
+        for d in greedy:
+            d.close()
+        ctx.term()
+        assert bridge.stop() == 0, bridge.output()[-2000:]
+    assert "Traceback" not in bridge.output()
+
+
+def test_http_slow_bodies_and_bad_text_leave_the_engine_serving(
+    tiny_model: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The OpenAI door of a real engine: 100 clients that announce a 1 MB body, send a byte and
+    leave (each logged a 60-line ClientDisconnect traceback before: a log flood), and a body
+    with a lone surrogate escape (a bare 500 before). Each is answered or dropped quietly and a
+    well-behaved completion follows."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from engine.config import EngineConfig
+    from engine.engine_core import EngineCore
+    from engine.engine_loop import EngineLoop
+    from engine.http_api import create_app
+    from events.prompt import load_chat_template
+    from rpc.http_server import ThreadedHttpServer
+
+    loop = EngineLoop(EngineCore(EngineConfig(model_dir=str(tiny_model), num_gpu_blocks=32,
+                                              engine_id="http-attack"))).start()
+    http = ThreadedHttpServer(create_app(loop, "tiny", load_chat_template(tiny_model))).start()
+    url = f"http://127.0.0.1:{http.port}/v1/completions"
+
+    def post(body: bytes) -> tuple[int, dict[str, object]]:
+        req = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    uvicorn_log = logging.getLogger("uvicorn")  # it does not propagate to the root logger
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("ERROR"):
+            for _ in range(100):
+                with socket.create_connection(("127.0.0.1", http.port), timeout=5) as s:
+                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                              b"content-type: application/json\r\nContent-Length: 1000000\r\n\r\n{")
+            status, answer = post(b'{"prompt": "a \\udc80", "max_tokens": 2}')
+            assert status == 400 and "surrogate" in str(answer["error"]), answer
+            status, answer = post(b'{"prompt": "still serving", "max_tokens": 2}')
+            assert status == 200 and answer["choices"], answer  # type: ignore[truthy-bool]
+            time.sleep(0.5)  # the last disconnects are seen
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert errors == [], errors[:3]
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+        http.stop()
+        loop.stop()
