@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
 def _next_steps(router: str, pub: str, replay: str, topic: str, run_dir: Path) -> str:
     kvctl = Path(sys.executable).with_name("kvctl")
     body = '{"model": "demo", "prompt": "hello", "max_tokens": 8}'
-    return (f"\n  next:\n"
+    return (f"  next:\n"
             f"    curl -si {router}/v1/completions -H 'content-type: application/json' -d '{body}'\n"
             f"        a completion through kv-router: headers x-kv-engine, x-kv-route-reason say where and why\n"
             f"    {kvctl} tail --pub {pub} --replay {replay} --topic {topic}\n"
@@ -74,7 +74,14 @@ def _next_steps(router: str, pub: str, replay: str, topic: str, run_dir: Path) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for flag, value in (("--engines", args.engines), ("--gpu-blocks", args.gpu_blocks),
+                        ("--arena-bytes", args.arena_bytes)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there (a Hugging Face model directory)")
     run_dir = Path(args.run_dir).resolve()
     config = StackConfig(
         run_dir=run_dir, redis_url=args.redis_url, namespace=args.namespace,
@@ -85,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    stack = Stack(config)
+    try:
+        stack = Stack(config)
+    except OSError as exc:
+        print(f"kv-stack: error: cannot use the run directory {run_dir}: {exc}", file=sys.stderr)
+        return 1
     try:
         print(f"kv-stack: starting in {run_dir}", flush=True)
         ep = stack.up()
@@ -109,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 from stack.second_node import run_cross_node
 
                 run_cross_node(ep.engine_urls[0], ep.node2_engine_url)
+            print()
         if args.command == "demo":
             return 0
         print(_next_steps(ep.router, ep.bridge_pub, ep.bridge_replay, config.topic, run_dir), flush=True)
