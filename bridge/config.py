@@ -81,8 +81,10 @@ class BridgeConfig:
         if self.legacy_pub_endpoint is not None and self.layout == "legacy":
             raise BridgeConfigError("--legacy-pub adds the legacy layout to a map-layout bridge; "
                                     "this one already publishes the legacy layout")
-        if min(self.hwm, self.metrics_port, self.max_pending) < 0:
-            raise BridgeConfigError("hwm, metrics_port and max_pending must be >= 0")
+        for flag, value in (("--hwm", self.hwm), ("--metrics-port", self.metrics_port),
+                            ("--max-pending", self.max_pending)):
+            if value < 0:
+                raise BridgeConfigError(f"{flag} must be >= 0, got {value}")
         if self.read_chunk < 1 or self.replay_chunk < 1:
             raise BridgeConfigError("chunk sizes must be >= 1")
 
@@ -99,6 +101,13 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
     def e(name: str, default: object) -> object:
         return env.get(f"KVB_{name}", default)
+
+    def n(name: str, default: int) -> int:
+        raw = e(name, default)
+        try:
+            return int(str(raw))
+        except ValueError:
+            raise BridgeConfigError(f"KVB_{name}={raw!r} is not an integer") from None
 
     p = argparse.ArgumentParser(
         prog="kv-bridge",
@@ -140,12 +149,12 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                         "end marker")
     p.add_argument("--start", choices=["resume", "head", "beginning"], default=e("START", d.start),
                    help="where publishing starts: the saved position, the log's head, or offset 1")
-    p.add_argument("--hwm", type=int, default=int(str(e("HWM", d.hwm))),
+    p.add_argument("--hwm", type=int, default=n("HWM", d.hwm),
                    help="PUB send high-water mark (messages queued per slow subscriber)")
-    p.add_argument("--metrics-port", type=int, default=int(str(e("METRICS_PORT", d.metrics_port))),
+    p.add_argument("--metrics-port", type=int, default=n("METRICS_PORT", d.metrics_port),
                    help="port of /metrics and /healthz (0: any free port)")
     p.add_argument("--metrics-host", default=e("METRICS_HOST", d.metrics_host))
-    p.add_argument("--max-pending", type=int, default=int(str(e("MAX_PENDING", d.max_pending))),
+    p.add_argument("--max-pending", type=int, default=n("MAX_PENDING", d.max_pending),
                    help="records published before their apply to the state must catch up")
     p.add_argument("--log-level", default=e("LOG_LEVEL", d.log_level))
     return p

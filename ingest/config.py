@@ -159,6 +159,14 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     def e(name: str, key: str) -> Any:
         return env.get(f"KVI_{name}", d[key].default)
 
+    def n(name: str, key: str, conv: type[int] | type[float]) -> Any:
+        raw = e(name, key)
+        try:
+            return conv(raw)
+        except ValueError:
+            kind = "an integer" if conv is int else "a number"
+            raise IngestConfigError(f"KVI_{name}={raw!r} is not {kind}") from None
+
     p = argparse.ArgumentParser(
         prog="kv-ingest",
         description="Follow vLLM engines' ZMQ KV-event publishers and append their batches to "
@@ -183,17 +191,17 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--offloadd-token-file", default=e("OFFLOADD_TOKEN_FILE", "offloadd_token_file"),
                    help="file holding offloadd's bearer token")
     p.add_argument("--metrics-host", default=e("METRICS_HOST", "metrics_host"))
-    p.add_argument("--metrics-port", type=int, default=int(e("METRICS_PORT", "metrics_port")),
+    p.add_argument("--metrics-port", type=int, default=n("METRICS_PORT", "metrics_port", int),
                    help="port of /metrics and /healthz (0: any free port; default %(default)s)")
     p.add_argument("--replay-timeout-s", type=float,
-                   default=float(e("REPLAY_TIMEOUT_S", "replay_timeout_s")),
+                   default=n("REPLAY_TIMEOUT_S", "replay_timeout_s", float),
                    help="how long a replay request may take (default %(default)s)")
-    p.add_argument("--idle-sync-s", type=float, default=float(e("IDLE_SYNC_S", "idle_sync_s")),
+    p.add_argument("--idle-sync-s", type=float, default=n("IDLE_SYNC_S", "idle_sync_s", float),
                    help="check the replay socket after this long without a batch (default %(default)s)")
     p.add_argument("--publisher-lease-s", type=float,
-                   default=float(e("PUBLISHER_LEASE_S", "publisher_lease_s")),
+                   default=n("PUBLISHER_LEASE_S", "publisher_lease_s", float),
                    help="clear a publisher's sources after this long unreachable (default %(default)s)")
-    p.add_argument("--max-pending", type=int, default=int(e("MAX_PENDING", "max_pending")),
+    p.add_argument("--max-pending", type=int, default=n("MAX_PENDING", "max_pending", int),
                    help="unacked batches per source before reading waits (default %(default)s)")
     p.add_argument("--log-level", default=e("LOG_LEVEL", "log_level"))
     return p

@@ -118,6 +118,11 @@ def test_config_from_flags_and_env() -> None:
         BridgeConfig(source="a", per_source=True, topic="kv@{source}")
     with pytest.raises(ValueError, match=r"a topic with \{source\} needs --per-source"):
         BridgeConfig(topic="kv@{source}")
+    # a bad value names its variable or flag (was: "invalid literal for int()", one message for three flags)
+    with pytest.raises(BridgeConfigError, match=r"^KVB_HWM='abc' is not an integer$"):
+        config_from_args([], {"KVB_HWM": "abc"})
+    with pytest.raises(BridgeConfigError, match=r"^--max-pending must be >= 0, got -2$"):
+        config_from_args(["--max-pending", "-2"], {})
 
 
 def test_config_of_vllm_compatibility_options() -> None:

@@ -67,6 +67,9 @@ def test_cli_help_and_errors_without_traceback(tmp_path: Path) -> None:
         done = _cli(*args)
         assert done.returncode == 2, done.stderr
         assert message in done.stderr and "Traceback" not in done.stderr
+    for var, value, kind in [("KVI_MAX_PENDING", "x", "an integer"), ("KVI_IDLE_SYNC_S", "soon", "a number")]:
+        with pytest.raises(IngestConfigError, match=f"^bad environment value: {var}='{value}' is not {kind}$"):
+            config_from_args(["--vllm", "a=tcp://h:1"], {var: value})
 
 
 def test_the_compose_profile_runs_kv_ingest_with_flags_it_parses() -> None:
