@@ -114,6 +114,9 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         description="Republish the kvoffload log in the vLLM KV-event ZMQ wire format: live batches "
         "on a PUB socket, any retained seq and full-state snapshots on a ROUTER socket. Options "
         "can also be set as KVB_<NAME> in the environment (the Redis URL as REDIS_URL).",
+        epilog="example: kv-bridge --redis-url redis://127.0.0.1:6379/0 --namespace node-a "
+        "--pub tcp://*:5557 --replay tcp://*:5558; then watch it with kvctl tail --pub "
+        "tcp://HOST:5557 --replay tcp://HOST:5558",
     )
     p.add_argument("--redis-url", default=env.get("REDIS_URL", d.redis_url),
                    help="Redis holding the log (credentials go in the URL; env REDIS_URL): "

@@ -95,9 +95,11 @@ def _security_args(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kv-engine", description=__doc__)
+    example = ("example: kv-engine make-tiny-model /tmp/tiny && kv-engine serve --model /tmp/tiny "
+               "--port 50061 --http-port 8001 --offloadd 127.0.0.1:50051 --offload")
+    parser = argparse.ArgumentParser(prog="kv-engine", description=__doc__, epilog=example)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve the gRPC Generate API")
+    serve = sub.add_parser("serve", help="serve the gRPC Generate API", epilog=example)
     _engine_args(serve)
     serve.add_argument("--host", default="[::]", help="interface of the Generate gRPC server")
     serve.add_argument("--port", type=int, default=50061, help="port of the Generate gRPC server")

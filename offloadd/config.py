@@ -280,6 +280,9 @@ def load_config(argv: Sequence[str] | None, env: Mapping[str, str]) -> OffloaddC
         description="The per-node KV offload daemon: owns the host tier (a shared-memory arena), "
         "applies and fences engines' KV events, and keeps the durable event log in Redis. "
         "Every flag can also be set as KVD_<NAME> in the environment; flags win.",
+        epilog="example: offloadd --redis-url redis://127.0.0.1:6379/0 --namespace node-a "
+        "--capacity-bytes 8589934592 --grpc-port 50051   (engines attach with --offloadd "
+        "HOST:50051 --offload; kv-bridge --namespace node-a republishes the log)",
     )
     fields = dataclasses.fields(OffloaddConfig)
     docs = _field_docs()

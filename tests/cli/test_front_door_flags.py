@@ -73,3 +73,13 @@ def test_make_tiny_model_refuses_zero_sizes(tmp_path: Path, flag: str, capsys: p
     assert engine_main(["make-tiny-model", str(tmp_path / "m"), flag, "0"]) == 2
     assert capsys.readouterr().err == f"kv-engine: error: sizes must be >= 1: {flag} 0\n"
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("module", [["offloadd"], ["bridge.main"], ["engine", "serve"], ["ingest"],
+                                    ["router.main"]])
+def test_help_says_what_and_shows_an_example(module: list[str]) -> None:
+    out = _run(*module, "--help")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "example:" in text.lower(), text[-400:]
+    assert "default" in text  # the defaults are told
