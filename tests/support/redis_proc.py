@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import random
 import shutil
 import socket
 import subprocess
@@ -9,8 +11,38 @@ import time
 from pathlib import Path
 
 
+# Ports handed out below the kernel's ephemeral range (32768-60999 by default), where no
+# outgoing connection takes them: a port from bind(0) is an ephemeral one, and on a busy run an
+# outgoing connection (a gRPC channel, a Redis client) took one between the pick and the server's
+# bind ("Address already in use" in a full CI run). Redis Cluster's bus port (port + 10000) stays
+# below 65536. A pytest process hands each port out once; the bind check covers other processes.
+def _port_range() -> tuple[int, int]:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return (20000, min(low, 32000)) if low > 22000 else (1024 + 1, 1024 + 1)  # empty: bind(0)
+
+
+_PORT_RANGE = _port_range()
+_handed_out: set[int] = set()
+_rng = random.Random(os.getpid() ^ time.monotonic_ns())
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    for _ in range(1000 if _PORT_RANGE[1] > _PORT_RANGE[0] else 0):
+        port = _rng.randrange(*_PORT_RANGE)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
