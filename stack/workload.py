@@ -37,8 +37,10 @@ def build(short: bool, seed: int = 0) -> list[DemoRequest]:
             out.append(DemoRequest(f"chat{c} t{t}", history + "Assistant:", 1))
     for i, doc in enumerate(docs):  # evicted from the GPU pool by now: host-tier hits
         out.append(DemoRequest(f"doc{i} q2", doc + "Question: summarise it.", 1))
-    for i, doc in enumerate(docs):  # host-tier hits again, on either engine
-        out.append(DemoRequest(f"doc{i} q3", doc + "Question: who wrote it?", 2))
+    # host-tier hits again, on either engine: in another order than before, so the router's
+    # rotation between engines of equal score sends some to the engine that did not compute them
+    for i in [*range(1, n_docs), 0]:
+        out.append(DemoRequest(f"doc{i} q3", docs[i] + "Question: who wrote it?", 2))
     for i in range(n_docs, n_docs + 2):  # new documents: misses
         out.append(DemoRequest(f"doc{i} q1", document(rng, i, doc_words) + "Question: why?", 2))
     return out

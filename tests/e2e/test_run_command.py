@@ -56,7 +56,8 @@ def test_run_command_demo_short(tmp_path: Path, command: list[str]) -> None:
     routed = re.findall(r"^  \[\s*\d+/\d+\] \S+ \S+\s+-> (engine-\d)\s+(\w+)", out, re.M)
     assert {engine for engine, _ in routed} == {"engine-0", "engine-1"}, out
     assert {"gpu_prefix", "no_prefix"} <= {reason for _, reason in routed}, out
-    assert re.search(r"requests served from prefixes another engine computed: \d+", out), out
+    shared = re.search(r"requests served from prefixes another engine computed: (\d+)", out)
+    assert shared is not None and int(shared.group(1)) >= 1, out  # the host tier is the node's
     exact = re.search(r"kv-router predicted the cached prefix exactly for (\d+) of (\d+) requests", out)
     assert exact is not None and int(exact.group(1)) >= int(exact.group(2)) * 0.8, out
     # the router's view (bridge -> subscriber) shows both engines' GPU tiers and the CPU tier
