@@ -111,6 +111,7 @@ def build_app(seekable: SeekableLog, name: str) -> FastAPI:
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     page = files("kvctl").joinpath("static/web.html").read_text(encoding="utf-8")
     app = FastAPI(title=f"kvctl web: {name}", docs_url=None, redoc_url=None)
@@ -127,6 +128,11 @@ def build_app(seekable: SeekableLog, name: str) -> FastAPI:
     async def invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
         parts = [f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors()]
         return error("; ".join(parts) or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # an unknown path or method: the same error shape as the API's own errors
+        return error(str(exc.detail), exc.status_code)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def index() -> HTMLResponse:

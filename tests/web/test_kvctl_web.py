@@ -253,6 +253,11 @@ def test_kvctl_web_on_the_redis_log_shows_what_the_recording_shows(
             url = proc.stdout.readline().split()[2]
             views.append((_get(url + "api/log"), _get(f"{url}api/state?at={recorded_last}"),
                           _get(f"{url}api/state?at={_get(url + 'api/log')['last']}")))
+            with pytest.raises(urllib.error.HTTPError) as unknown:  # the API's error shape here too
+                _get(url + "api/nothing")
+            assert unknown.value.code == 404
+            assert json.loads(unknown.value.read()) == {"error": {"message": "Not Found",
+                                                                  "type": "invalid_request_error"}}
         finally:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=15) == 0
