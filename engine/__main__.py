@@ -184,8 +184,11 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def _serve(a: argparse.Namespace) -> int:
+    from rpc.targets import check_grpc_target
     from rpc.tls import ClientSecurity, check_server_tls, read_token, server_credentials
 
+    if a.offloadd:  # a typo would be retried forever as an offloadd that is down
+        check_grpc_target(a.offloadd, "--offloadd")
     # Files first: a bad one is refused before the model and torch load.
     check_server_tls(a.tls_cert, a.tls_key, a.tls_client_ca)
     server_creds = server_credentials(a.tls_cert, a.tls_key, a.tls_client_ca) if a.tls_cert else None

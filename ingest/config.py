@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ingest.errors import IngestConfigError
+from rpc.targets import TargetError, check_grpc_target
 
 MAX_DP = 256
 
@@ -75,6 +76,10 @@ class IngestConfig:
             raise IngestConfigError("replay_timeout_s, idle_sync_s and publisher_lease_s must be > 0")
         if self.max_pending < 1 or not 0 <= self.metrics_port < 65536:
             raise IngestConfigError("max_pending must be >= 1 and metrics_port in [0, 65535]")
+        try:
+            check_grpc_target(self.offloadd, "--offloadd")
+        except TargetError as exc:
+            raise IngestConfigError(str(exc)) from None
 
 
 def _check_endpoint(value: str, what: str) -> str:

@@ -15,6 +15,7 @@ import pytest
 
 from engine.__main__ import main as engine_main
 from engine.model.checkpoint import TinyModelSpec, write_tiny_model
+from rpc.targets import TargetError, check_grpc_target
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,3 +84,19 @@ def test_help_says_what_and_shows_an_example(module: list[str]) -> None:
     text = " ".join(out.stdout.split())
     assert "example:" in text.lower(), text[-400:]
     assert "default" in text  # the defaults are told
+
+
+@pytest.mark.parametrize("target, ok", [
+    ("127.0.0.1:50051", True), ("[::1]:50051", True), ("offloadd:50051", True), ("unix:/run/kvd.sock", True),
+    ("dns:///offloadd:50051", True), ("garbage::", False), ("h:port", False), (":50051", False),
+    ("h:70000", False), ("::1:50051", False), ("h", False),
+])
+def test_grpc_targets_are_checked(target: str, ok: bool, model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A malformed --offloadd was retried forever, looking like a daemon that is down."""
+    if ok:
+        assert check_grpc_target(target, "--offloadd") == target
+        return
+    with pytest.raises(TargetError, match=f"^--offloadd {target!r}: "):
+        check_grpc_target(target, "--offloadd")
+    assert engine_main(["serve", "--model", str(model), "--offloadd", target, "--metrics-port", "-1"]) == 2
+    assert capsys.readouterr().err.startswith(f"kv-engine: error: --offloadd {target!r}: ")

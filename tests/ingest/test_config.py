@@ -63,7 +63,8 @@ def test_cli_help_and_errors_without_traceback(tmp_path: Path) -> None:
     for args, message in [((), "no vLLM publisher given"),
                           (("--vllm", "a=tcp://h:1", "--config", str(tmp_path / "nope.toml")), "config file"),
                           (("--vllm", "a=tcp://h:1", "--offloadd-token-file", str(tmp_path / "t")), "token"),
-                          (("--vllm", "a=tcp://h:1,replay=tcp://h"), "cannot connect to 'tcp://h'")]:
+                          (("--vllm", "a=tcp://h:1,replay=tcp://h"), "cannot connect to 'tcp://h'"),
+                          (("--vllm", "a=tcp://h:1", "--offloadd", "h::"), "--offloadd 'h::': expected HOST:PORT")]:
         done = _cli(*args)
         assert done.returncode == 2, done.stderr
         assert message in done.stderr and "Traceback" not in done.stderr
