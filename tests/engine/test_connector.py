@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -335,11 +336,19 @@ def test_daemon_failure_never_breaks_generation(plain_model: Path, daemon: Daemo
 
 
 def test_unreachable_at_start_registers_later(plain_model: Path, daemon: DaemonProcess) -> None:
+    """An engine that found no daemon runs without the host tier, and registers once one is
+    there. gRPC's channel reconnects with its own backoff (1 s, 1.6 s, ...), so the daemon being
+    SERVING does not mean this engine's channel is connected yet: wait until registering works,
+    then the request's blocks are stored."""
     daemon.stop()
     conn = _connector(daemon, retry_register_s=0.0, timeout_s=1.0)
     llm = _llm(plain_model, conn)
-    assert conn.stats()["errors"] == 1
+    assert conn.stats()["errors"] == 1 and not conn.tier.is_active()
     daemon.restart()
+    deadline = time.monotonic() + 60
+    while not conn.tier.is_active():  # registers again on each call (retry_register_s=0)
+        assert time.monotonic() < deadline, "never registered with the restarted daemon"
+        time.sleep(0.1)
     prompt = _prompt(2 * BS + 1, 5)
     llm.generate(prompt, GREEDY)
     assert conn.flush()

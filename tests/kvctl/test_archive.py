@@ -35,6 +35,7 @@ from kvctl.main import main as kvctl
 from offloadd.client import IngestStream
 from tests.bridge.test_trimmed_log import CKPT_ARGS, daemon_state, publish, publish_until_trimmed
 from tests.kvctl.test_daemon import _from_json
+from tests.offloadd.test_checkpoint import first_offset
 from tests.support.bridge_proc import REPO_ROOT, FleetSimulator, LogWriter
 from tests.support.offloadd_proc import DaemonProcess
 
@@ -272,21 +273,28 @@ def test_follow_archives_a_live_daemons_log_and_survives_its_trims(
     proc.start()
     stream = IngestStream(proc.target, "gpu-engine", 3)
     follower = subprocess.Popen([*record, "--follow"], cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+
+    def archived_up_to_head() -> int:
+        """Wait until the follower has archived the whole log (however slow a loaded machine
+        makes it); the head."""
+        head = int(admin.get(keys.head) or 0)
+        deadline = time.monotonic() + 60
+        while not out.is_dir() or Archive.open(out).last_offset(admin.get(keys.epoch).decode()) < head:
+            assert time.monotonic() < deadline and follower.poll() is None, follower.poll()
+            time.sleep(0.05)
+        return head
+
     try:
-        deadline = time.monotonic() + 10
-        while not out.exists():  # it makes the directory just before it reads the log
-            assert time.monotonic() < deadline and follower.poll() is None
-            time.sleep(0.05)
-        time.sleep(0.3)
-        for start in range(0, 300, 30):
-            publish(stream, start, 30)
-            time.sleep(0.1)
-        first, at = publish_until_trimmed(stream, admin, keys, 300, 100)  # trimmed under it
-        head = int(admin.get(keys.head))
-        deadline = time.monotonic() + 10
-        while Archive.open(out).last_offset(admin.get(keys.epoch).decode()) < head:
-            assert time.monotonic() < deadline and follower.poll() is None
-            time.sleep(0.05)
+        # Ten records at a time, each ten once the follower holds everything before: the daemon
+        # keeps the newest 20 records (CKPT_ARGS), so whatever it trims was archived already,
+        # and any gap would be the archiver's. It trims behind the follower all along.
+        at = 0
+        while at < 300 or not (first_offset(admin, keys) > 100 and admin.get(keys.checkpoint)):
+            assert at < 3000, f"the log was not trimmed past 100 (first offset {first_offset(admin, keys)})"
+            publish(stream, at, 10)
+            at += 10
+            head = archived_up_to_head()
+        first = first_offset(admin, keys)
         follower.send_signal(signal.SIGTERM)
         _, err = follower.communicate(timeout=10)
         assert follower.returncode == 0, err

@@ -67,6 +67,10 @@ def publish(stream: IngestStream, start: int, n: int) -> None:
     assert stream.flush(60)
 
 
+def metrics_text(proc: DaemonProcess) -> str:
+    return str(urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics").read().decode())
+
+
 def recovery_counts(proc: DaemonProcess) -> tuple[int, int]:
     """(num_records replayed, checkpoint_offset) of the last recovery the daemon logged."""
     text = proc.log_path.read_text(errors="replace")
@@ -111,22 +115,30 @@ def test_checkpoint_is_pointed_to_and_log_is_trimmed_behind_it(
         assert m.offset == head(admin, keys) and m.checksums and m.num_bytes > 0
         publish(stream, 600, 400)
         m2 = wait_checkpoint(admin, keys, head(admin, keys))
-        deadline = time.monotonic() + 10
-        while first_offset(admin, keys) <= 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        first = first_offset(admin, keys)
+        # Nothing is published any more, so no checkpoint follows m2 (there is nothing new) and
+        # the trims (every 0.2 s) reach one horizon and stay: the newest 50 records, but never
+        # past the oldest kept checkpoint + 1 (its fallback's tail stays).
         kept = [manifest(admin, keys, i).offset for i in pointer(admin, keys)]
-        assert len(kept) == 2 and kept[0] == m2.offset
-        # Trimmed, but never past the oldest kept checkpoint + 1 (its fallback's tail stays).
-        assert 1 < first <= min(kept) + 1
+        assert len(kept) == 2 and kept[0] == m2.offset == head(admin, keys)
+        horizon = min(head(admin, keys) - 50 + 1, min(kept) + 1)
+        assert horizon > 1
+        deadline = time.monotonic() + 20
+        while (first := first_offset(admin, keys)) != horizon:
+            assert first < horizon and time.monotonic() < deadline, (first, horizon, kept)
+            time.sleep(0.05)
         # Only the kept checkpoints' keys remain.
         ckpt_keys = {k.decode() for k in admin.scan_iter(match=keys.checkpoint_manifest("*"))}
         assert {k.split(":")[3] for k in ckpt_keys} == set(pointer(admin, keys))
         with OffloadClient(proc.target) as c:
             assert c.snapshot().offset == head(admin, keys)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics").read().decode()
-        assert f"offloadd_checkpoint_offset {float(m2.offset)}" in text
-        assert f"offloadd_log_first_offset {float(first)}" in text
+        # The gauges are read from the daemon's stats, refreshed by its next trim pass: they
+        # come to say what Redis says.
+        want = {f"offloadd_checkpoint_offset {float(m2.offset)}", f"offloadd_log_first_offset {float(first)}"}
+        deadline = time.monotonic() + 20
+        while not want <= set((text := metrics_text(proc)).splitlines()):
+            assert time.monotonic() < deadline, [ln for ln in text.splitlines()
+                                                 if ln.startswith(("offloadd_checkpoint_offset", "offloadd_log_"))]
+            time.sleep(0.05)
         stream.close()
     finally:
         proc.kill()

@@ -191,16 +191,21 @@ def test_stop_is_quick_with_streams_open_and_clears_nobody(
 
 
 def test_an_engine_back_after_its_lease_re_announces(
-    daemon: DaemonProcess, client: OffloadClient,
+    daemon: DaemonProcess, client: OffloadClient, tmp_path: Path,
 ) -> None:
     """The attack run's finding: a daemon restarted under a live engine leased it, the engine
     came back after the lease (its reconnect backoff was longer), was cleared, and went on
     publishing on top of a tier the log said was empty. Now its next batch gets RESEND from 1:
-    it starts a new incarnation and re-announces, and the log holds what it holds."""
+    it starts a new incarnation and re-announces, and the log holds what it holds.
+
+    The engine reaches the daemon through a link to its unix socket that the test cuts while
+    the daemon restarts and mends once the lease ran out: late for sure, however long the
+    restart takes (with a backoff alone, a slow restart let it back within the lease)."""
+    gate = tmp_path / "gate.sock"
+    gate.symlink_to(daemon.unix_socket)
     held: set[int] = set()
     resets: list[int] = []
-    stream = IngestStream(daemon.target, "late", backoff_s=(LEASE_S * 2, LEASE_S * 2),
-                          on_reset=resets.append)
+    stream = IngestStream(f"unix:{gate}", "late", on_reset=resets.append)
     try:
         def store(h: int) -> None:
             held.add(h)
@@ -209,14 +214,19 @@ def test_an_engine_back_after_its_lease_re_announces(
         store(51)
         store(52)
         assert stream.flush(10)
+        gate.unlink()
+        gate.symlink_to(tmp_path / "nowhere.sock")  # the engine cannot reach any daemon now
         assert daemon.proc is not None
         daemon.proc.send_signal(signal.SIGTERM)
         assert daemon.proc.wait(timeout=15) == 0
         daemon.proc = None
-        daemon.restart()  # every engine with GPU blocks is on a lease now; "late" is slow
-        wait_until_cleared(client, "late", LEASE_S * 4)
-        deadline = time.monotonic() + 10
+        daemon.restart()  # every engine with GPU blocks is on a lease now; "late" cannot answer
+        wait_until_cleared(client, "late", 30)
+        assert not stream.is_connected
+        gate.unlink()
+        gate.symlink_to(daemon.unix_socket)  # back after its lease
         store(53)
+        deadline = time.monotonic() + 30  # gRPC's own reconnect backoff grew while it was out
         while not resets and time.monotonic() < deadline:
             time.sleep(0.05)
         assert resets, "the engine was never asked to re-announce"
