@@ -301,7 +301,8 @@ def test_the_slider_keys_and_buttons_drive_the_page(recording: Recording, tmp_pa
         for _ in range(5):
             page.press("ArrowRight")
         at(page, mid + 7)
-        summary = page.wait_for(f"(t => t.startsWith('offset {mid + 2} ') && t)"
+        # The diff of each step lands on its own (the click's A -> A first): wait for the last.
+        summary = page.wait_for(f"(t => t.startsWith('offset {mid + 2} \u2192 {mid + 7}: ') && t)"
                                 "(document.getElementById('diff-summary').textContent)")
         changes = _changes(recording.state_at(mid + 2), recording.state_at(mid + 7))
         assert sorted(tuple(r) for r in page.eval(diff_js)) == sorted(
