@@ -19,7 +19,10 @@ first): a resend of a batch whose write's reply was lost is then a DUPLICATE, no
 record. The log refuses a position it holds itself too (offloadd.log.write_script); a batch
 refused so (``AlreadyLogged``) is answered DUPLICATE.
 The acks are those of handling the batches one at a time, and nothing after a batch that was not
-written is written: its successors are refused as their write is built (``ChainBroken``).
+written is written: its successors are refused as their write is built (``ChainBroken``). A batch
+whose write is in doubt (``WriteInDoubt``: its reply lost, or its replicas late) does not break the
+chain by itself: the writer settles the doubt before it builds the next write, and only a write
+that did not land is reverted, which breaks it (DECISIONS 59).
 
 Every ack carries the log's epoch (``LogKeys.epoch``, set by recovery): an engine whose acks
 change epoch, or that is asked to resend batches it already had acked, knows the log lost its
@@ -48,7 +51,14 @@ from events.schema import AllBlocksCleared, Event, LogRecord
 from events.state import CacheState
 from offloadd.config import DEFAULT_MAX_ID_BYTES
 from offloadd.log import projection
-from offloadd.log.metadata import AlreadyLogged, Append, MetadataStore, RedisUnavailable
+from offloadd.log.metadata import (
+    AlreadyLogged,
+    Append,
+    MetadataStore,
+    RecordRefused,
+    RedisUnavailable,
+    WriteInDoubt,
+)
 from offloadd.log.projection import Pipe
 from offloadd.tier.source import DAEMON_SOURCE
 
@@ -93,7 +103,7 @@ class _Chain:
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # set when none is pending
 
 
-class ChainBroken(Exception):
+class ChainBroken(RecordRefused):
     """An earlier batch of the engine was not written, so this one must not be either."""
 
 
@@ -254,8 +264,8 @@ class Ingest:
                   batch: EventBatch, chain: _Chain) -> None:
         chain.num_pending -= 1
         exc = asyncio.CancelledError() if task.cancelled() else task.exception()
-        if exc is not None:
-            chain.is_broken = True
+        if exc is not None and not isinstance(exc, WriteInDoubt):
+            chain.is_broken = True  # in doubt: broken by its revert if it did not land
         else:
             self.num_applied += 1
             self.num_events += len(batch.events)

@@ -9,6 +9,12 @@ class RedisUnavailable(OffloaddError):
     """Redis could not be reached or refused the write; nothing was applied in memory."""
 
 
+class WriteInDoubt(RedisUnavailable):
+    """The write may have landed (its reply was lost, or its replicas did not acknowledge it in
+    time): not applied yet, and not reverted either. The writer settles it before its next write
+    (offloadd.log.in_doubt): applied if it landed, else reverted then."""
+
+
 class LogConflict(OffloaddError):
     """The log moved under us (another writer, or a write we gave up on landed late)."""
 

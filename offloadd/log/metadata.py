@@ -31,7 +31,7 @@ from events.state import CacheState
 from offloadd.log import projection
 from offloadd.log.append import Append, Batch, Pending, ProjectFailed, encode_group, fail, revert
 from offloadd.log.failover import end_rewound_log
-from offloadd.log.in_doubt import read_back
+from offloadd.log.in_doubt import Confirm, read_back
 from offloadd.log.log_errors import (
     AlreadyLogged,
     ForeignEntry,
@@ -39,15 +39,16 @@ from offloadd.log.log_errors import (
     OwnershipLost,
     RecordRefused,
     RedisUnavailable,
+    WriteInDoubt,
 )
 from offloadd.log.log_reads import LogReads, Persisted
 from offloadd.log.projection import EngineRecord, LayoutRecord
-from offloadd.log.replica_wait import WaitedScript
+from offloadd.log.replica_wait import ReplicasBehind, WaitedScript
 from offloadd.log.write_script import SET_EPOCH, TRIM, WRITE, Ops, refusal
 
 __all__ = [
     "AlreadyLogged", "Append", "ForeignEntry", "LogConflict", "MetadataStore", "OwnershipLost",
-    "Persisted", "RecordRefused", "RedisUnavailable",
+    "Persisted", "RecordRefused", "RedisUnavailable", "WriteInDoubt",
 ]
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class MetadataStore(LogReads):
         self._in_doubt: Batch | None = None
         self._appended = asyncio.Event()
         self._script: Any = client.register_script(WRITE)
+        self._confirm: Confirm | None = None  # the replicas' word on a write in doubt
         self._trim = client.register_script(TRIM)
         self._set_epoch = client.register_script(SET_EPOCH)
         self.owner = ""  # the owner lease value every write is fenced by ('' = unchecked)
@@ -78,8 +80,11 @@ class MetadataStore(LogReads):
         return Ops([self.keys.head, self.keys.log, self.keys.sources, self.keys.owner])
 
     def wait_for_replicas(self, replicas: int, timeout_ms: int) -> None:
-        """Acknowledge appends only once ``replicas`` replicas have them (DECISIONS 40)."""
-        self._script = WaitedScript(self.client, self._script, replicas, timeout_ms)
+        """Acknowledge appends only once ``replicas`` replicas have them (DECISIONS 40), and
+        settle a write in doubt as landed only once they have it too (DECISIONS 59)."""
+        waited = WaitedScript(self.client, self._script, replicas, timeout_ms)
+        self._script = waited
+        self._confirm = waited.confirm
 
     @property
     def is_in_doubt(self) -> bool:
@@ -129,9 +134,13 @@ class MetadataStore(LogReads):
             try:
                 await self._write(batch)
             except ProjectFailed as exc:
+                mine = [p for p in group if p[0] is exc.item]
+                if isinstance(exc.__cause__, RecordRefused):  # refused by its own rule (ChainBroken)
+                    log.info("%s: %s; writing the rest of its group without it", exc, exc.__cause__)
+                    fail(mine, exc.__cause__)
+                    continue
                 log.error("%s; writing the rest of its group without it", exc, exc_info=exc.__cause__)
-                fail([p for p in group if p[0] is exc.item],
-                      RecordRefused(f"record not written: {exc.__cause__!r}"), exc.__cause__)
+                fail(mine, RecordRefused(f"record not written: {exc.__cause__!r}"), exc.__cause__)
                 continue
             except AlreadyLogged as exc:  # never twice in the log, whatever memory believed
                 record = batch[exc.index][0]
@@ -146,8 +155,9 @@ class MetadataStore(LogReads):
                 return
             except (RedisError, OSError) as exc:
                 self._in_doubt = batch
-                what = "refused the write" if isinstance(exc, ResponseError) else "unreachable"
-                fail(group, RedisUnavailable(f"Redis {what}, record not applied: {exc}"), exc,
+                what = ("replicas behind" if isinstance(exc, ReplicasBehind) else "refused the write"
+                        if isinstance(exc, ResponseError) else "unreachable")
+                fail(group, WriteInDoubt(f"Redis {what}, record not applied: {exc}"), exc,
                       is_reverted=False)
                 return
             break
@@ -227,7 +237,8 @@ class MetadataStore(LogReads):
             return
         batch = self._in_doubt
         try:
-            landed = await read_back(self.client, self.keys, batch, self.head, self.owner)
+            landed = await read_back(self.client, self.keys, batch, self.head, self.owner,
+                                     self._confirm)
         except LogConflict:
             self._in_doubt = None  # settled: the log is not the daemon's (it stops)
             raise
