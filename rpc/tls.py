@@ -168,6 +168,21 @@ def _aio_interceptors(token: str) -> list[_AioToken]:
     return [cls(token) for cls in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
 
 
+# gRPC's default reconnect backoff starts at 1 s and grows by 1.6x to 120 s: an engine whose
+# daemon was down for a minute would wait up to two more before it noticed the daemon back (and
+# its ingest stream, queue filling, would reset meanwhile). Our peers are on the same node or
+# close: retry within 0.25 s at first, never wait more than 2 s. A caller's options win.
+RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+
+def _with_reconnect(options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    given = {name for name, _ in options}
+    return [*(o for o in RECONNECT_OPTIONS if o[0] not in given), *options]
+
+
 @dataclass(frozen=True)
 class ClientSecurity:
     """How a client reaches a gRPC server: plaintext or TLS (``credentials``), with or without
@@ -193,6 +208,7 @@ class ClientSecurity:
         return cls(credentials, read_token(token_file) if token_file else None)
 
     def channel(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+        options = _with_reconnect(options)
         if self.credentials is None:
             channel = grpc.insecure_channel(target, options=options)
         else:
@@ -204,6 +220,7 @@ class ClientSecurity:
     def aio_channel(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
         # The stubs type interceptors loosely (a protocol they ask to cast to): Any it is.
         interceptors: Any = _aio_interceptors(self.token) if self.token is not None else None
+        options = _with_reconnect(options)
         if self.credentials is None:
             return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
         return grpc.aio.secure_channel(target, self.credentials, options=options,
