@@ -21,7 +21,7 @@ from engine.engine_loop import EngineLoop
 from engine.errors import EngineError, EngineStopped, InvalidRequest
 from engine.sampling import SamplingParams
 from rpc.auth import SyncTokenInterceptor
-from rpc.listen import add_port
+from rpc.listen import EXCLUSIVE_PORT, add_port
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def create_server(
     interceptors: list[grpc.ServerInterceptor[Any, Any]] | None = (
         [SyncTokenInterceptor(token)] if token is not None else None)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                         interceptors=interceptors)
+                         interceptors=interceptors, options=[EXCLUSIVE_PORT])
     server.add_generic_rpc_handlers((GenerateServicer(loop).handler(),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

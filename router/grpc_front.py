@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvcache.v1 import generate_pb2, generate_pb2_grpc
 
 from router.service import Router
-from rpc.listen import add_port
+from rpc.listen import EXCLUSIVE_PORT, add_port
 
 log = logging.getLogger("kv-router")
 
@@ -103,7 +103,7 @@ class GenerateFront:
 
 async def start_grpc(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, GenerateFront]:
     front = GenerateFront(router)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[EXCLUSIVE_PORT])
     server.add_generic_rpc_handlers((front.handler(),))
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # not in its stubs
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -11,6 +11,12 @@ from typing import Protocol
 
 import grpc
 
+# gRPC servers bind with SO_REUSEPORT by default: a second server on a port already served binds
+# without error and the kernel splits new connections between the two (seen when two stacks
+# started at once: an engine's requests reached the other stack's engine). Every server of ours
+# passes this option so that a taken port is an error.
+EXCLUSIVE_PORT: tuple[str, int] = ("grpc.so_reuseport", 0)
+
 
 class ListenError(OSError):
     """The port could not be bound; the message names the address and the likely causes."""

@@ -41,7 +41,7 @@ from offloadd.tier.source import DAEMON_SOURCE
 from offloadd.tier.store import HostStore
 from offloadd.tier.writes import StoreWriter
 from rpc.auth import AioTokenInterceptor
-from rpc.listen import add_port
+from rpc.listen import EXCLUSIVE_PORT, add_port
 from rpc.redis_connect import connect_async
 from rpc.tls import read_token, server_credentials
 
@@ -108,7 +108,7 @@ class Daemon:
             self.metrics.watch_fleet(self.fleet.stats)
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0)],
+            options=[("grpc.max_receive_message_length", config.max_message_bytes), EXCLUSIVE_PORT],
             interceptors=[AioTokenInterceptor(token)] if token is not None else None,
         )
         self.is_token_required = token is not None
