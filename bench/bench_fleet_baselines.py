@@ -41,6 +41,18 @@ def bare_grpc(payloads: list[bytes]) -> float:
     return dt
 
 
+def _timed_recv(sock: socket.socket, view: memoryview) -> tuple[int, float]:
+    """Receive into ``view`` until it is full or the sender closes: bytes received, seconds."""
+    t0 = time.perf_counter()
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if not n:
+            break
+        got += n
+    return got, time.perf_counter() - t0
+
+
 def bare_tcp(payloads: list[bytes]) -> float:
     total = sum(len(p) for p in payloads)
     srv = socket.create_server(("127.0.0.1", 0))
@@ -54,17 +66,9 @@ def bare_tcp(payloads: list[bytes]) -> float:
 
     t = threading.Thread(target=send)
     t.start()
-    buf = bytearray(total)
-    view = memoryview(buf)
+    view = memoryview(bytearray(total))
     with socket.create_connection(("127.0.0.1", port)) as s:
-        t0 = time.perf_counter()
-        got = 0
-        while got < total:
-            n = s.recv_into(view[got:])
-            if not n:
-                break
-            got += n
-        dt = time.perf_counter() - t0
+        got, dt = _timed_recv(s, view)
     t.join()
     srv.close()
     assert got == total
@@ -81,18 +85,10 @@ def bare_tcp_other_process(payloads: list[bytes], work: Path) -> float:
     srv = socket.create_server(("127.0.0.1", 0))
     sender = subprocess.Popen([sys.executable, "-c", _SENDFILE_CHILD, str(srv.fileno()), str(src)],
                               pass_fds=(srv.fileno(),))
-    buf = bytearray(total)
-    view = memoryview(buf)
+    view = memoryview(bytearray(total))
     with socket.create_connection(srv.getsockname()) as s:
         assert s.recv(1) == b"!"  # the child is up (its start is not timed)
-        t0 = time.perf_counter()
-        got = 0
-        while got < total:
-            n = s.recv_into(view[got:])
-            if not n:
-                break
-            got += n
-        dt = time.perf_counter() - t0
+        got, dt = _timed_recv(s, view)
     sender.wait(60)
     srv.close()
     src.unlink()
@@ -136,14 +132,7 @@ def bare_tls(payloads: list[bytes], work: Path) -> float:
     with client_ctx.wrap_socket(socket.create_connection(srv.getsockname()),
                                 server_hostname="localhost") as s:
         s.do_handshake()
-        t0 = time.perf_counter()
-        got = 0
-        while got < total:
-            n = s.recv_into(view[got:])
-            if not n:
-                break
-            got += n
-        dt = time.perf_counter() - t0
+        got, dt = _timed_recv(s, view)
     t.join()
     srv.close()
     assert got == total
