@@ -15,6 +15,8 @@ unconfirmed writes and ended the log as rewound)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,27 +27,46 @@ from tests.cluster.stack import Node, check_node
 from tests.support.redis_cluster import RedisSentinel
 
 
-@pytest.mark.slow
-def test_daemon_follows_a_sentinel_failover(tmp_path: Path) -> None:
+@contextmanager
+def _storing_node(tmp_path: Path, namespace: str) -> Iterator[tuple[RedisSentinel, Node]]:
+    """A sentinel-managed primary and replica, and a node (daemon acknowledging once the replica
+    has a write, engines, bridge) that has stored 20 times; all stopped at the end."""
     sentinel = RedisSentinel(tmp_path / "sentinel", down_after_ms=1000)
     sentinel.start()
     node = None
     try:
-        node = Node.start(tmp_path / "n", sentinel.url, "sent", "--redis-wait-replicas", "1",
+        node = Node.start(tmp_path / "n", sentinel.url, namespace, "--redis-wait-replicas", "1",
                           "--redis-wait-timeout-ms", "300")
         assert node.storer is not None
         while node.storer.stats.stores < 20:
             time.sleep(0.05)
+        yield sentinel, node
+    finally:
+        if node is not None:
+            node.close()
+        sentinel.stop()
+
+
+def _fail_over_and_rejoin(sentinel: RedisSentinel) -> float:
+    """Kill the primary, wait for the sentinel to promote the replica, and bring the old primary
+    back as the new one's replica (as an operator or orchestrator does); when it was killed."""
+    sentinel.primary.stop(kill=True)
+    t0 = time.monotonic()
+    while sentinel.master_port() != sentinel.replica.port:
+        assert time.monotonic() - t0 < 30, "the sentinel did not promote the replica"
+        time.sleep(0.1)
+    sentinel.primary.extra = ["--appendonly", "yes", "--replicaof", "127.0.0.1",
+                              str(sentinel.replica.port)]
+    sentinel.primary.start()
+    return t0
+
+
+@pytest.mark.slow
+def test_daemon_follows_a_sentinel_failover(tmp_path: Path) -> None:
+    with _storing_node(tmp_path, "sent") as (sentinel, node):
         assert sentinel.master_port() == sentinel.primary.port
-        sentinel.primary.stop(kill=True)
-        t0 = time.monotonic()
-        while sentinel.master_port() != sentinel.replica.port:
-            assert time.monotonic() - t0 < 30, "the sentinel did not promote the replica"
-            time.sleep(0.1)
-        # The old primary comes back as the new one's replica (as an operator or orchestrator does).
-        sentinel.primary.extra = ["--appendonly", "yes", "--replicaof", "127.0.0.1",
-                                  str(sentinel.replica.port)]
-        sentinel.primary.start()
+        t0 = _fail_over_and_rejoin(sentinel)
+        assert node.storer is not None
         stores = node.storer.stats.stores
         while node.storer.stats.stores < stores + 20:
             assert time.monotonic() - t0 < 40, node.daemon.log_tail()
@@ -56,10 +77,6 @@ def test_daemon_follows_a_sentinel_failover(tmp_path: Path) -> None:
         client = redis.Redis(port=sentinel.master_port())  # the replica, or the old primary again
         assert client.execute_command("ROLE")[0] == b"master"
         client.close()
-    finally:
-        if node is not None:
-            node.close()
-        sentinel.stop()
 
 
 def _good_replica(sentinel: RedisSentinel, port: int) -> bool:
@@ -82,23 +99,9 @@ def test_daemon_survives_a_second_failover_to_a_node_that_had_not_synced(tmp_pat
     connections on it: its writes there stay in doubt (no replica confirms them), and once the
     sentinel made it a replica the daemon settles them against the log the sentinel kept and
     carries on: same log (not ended), stores acknowledged again, tier, log and bridge agree."""
-    sentinel = RedisSentinel(tmp_path / "sentinel", down_after_ms=1000)
-    sentinel.start()
-    node = None
-    try:
-        node = Node.start(tmp_path / "n", sentinel.url, "flap", "--redis-wait-replicas", "1",
-                          "--redis-wait-timeout-ms", "300")
+    with _storing_node(tmp_path, "flap") as (sentinel, node):
+        t0 = _fail_over_and_rejoin(sentinel)
         assert node.storer is not None
-        while node.storer.stats.stores < 20:
-            time.sleep(0.05)
-        sentinel.primary.stop(kill=True)
-        t0 = time.monotonic()
-        while sentinel.master_port() != sentinel.replica.port:
-            assert time.monotonic() - t0 < 30, "the sentinel did not promote the replica"
-            time.sleep(0.1)
-        sentinel.primary.extra = ["--appendonly", "yes", "--replicaof", "127.0.0.1",
-                                  str(sentinel.replica.port)]
-        sentinel.primary.start()
         admin = redis.Redis(port=sentinel.sentinel.port, socket_timeout=2.0)
         try:
             while not _good_replica(sentinel, sentinel.primary.port):
@@ -126,7 +129,3 @@ def test_daemon_survives_a_second_failover_to_a_node_that_had_not_synced(tmp_pat
             # side of a split brain (DECISIONS 40, 59), not settled by the daemon's.
             pytest.xfail(f"kv-bridge after a second failover: {exc}")
         assert state.offset > 0
-    finally:
-        if node is not None:
-            node.close()
-        sentinel.stop()
