@@ -104,5 +104,16 @@ class LogKeys:
         return f"{self.prefix}ckpt:{ckpt_id}"
 
     def checkpoint_chunk(self, ckpt_id: str, index: int) -> str:
-        """String: msgpack of one slice of a checkpoint's sources and blocks."""
+        """String: msgpack of one slice of a format 1 checkpoint's sources and blocks (written
+        before DECISIONS 60; still read, and deleted with its checkpoint)."""
         return f"{self.prefix}ckpt:{ckpt_id}:{index}"
+
+    @property
+    def checkpoint_content_prefix(self) -> str:
+        """The prefix of every content-addressed checkpoint chunk (:meth:`checkpoint_content`)."""
+        return f"{self.prefix}ckpt:chunk:"
+
+    def checkpoint_content(self, address: str) -> str:
+        """String: a format 2 checkpoint chunk, stored under its content address (hex blake2b
+        of the bytes) and shared by every checkpoint that lists it (events.checkpoint)."""
+        return self.checkpoint_content_prefix + address

@@ -212,6 +212,14 @@ class CacheState:
         """The canonical content: comparable across states built in different ways."""
         return {(s, m, g): frozenset(t) for s, m, g, t in self._iter_tiers() if t}
 
+    def tiers(self) -> Iterator[tuple[str, Medium, int, Tier]]:
+        """``(source, medium, group_idx, tier)`` for each tier, sources sorted; each tier is the
+        live dict (block hash -> the event that stored it, in insertion order), READ ONLY: for
+        exports that must not copy it (the forked checkpoint export, events.checkpoint_cut)."""
+        for source in sorted(self._tiers):
+            for (medium, group), tier in self._tiers[source].items():
+                yield source, medium, group, tier
+
     def _iter_tiers(self) -> Iterator[tuple[str, Medium, int, Tier]]:
         for source, tiers in self._tiers.items():
             for (medium, group), tier in tiers.items():

@@ -58,19 +58,19 @@ def export_tier(tier: Tier, medium: Medium, group: int) -> list[BlockStored]:
                     break
                 pending.extend(reversed(kids[1:]))
                 nxt = kids[0]
-                if not _same_kind(tier[nxt], head):
+                if not same_kind(tier[nxt], head):
                     pending.append(nxt)
                     break
                 chain.append(nxt)
                 emitted.add(nxt)
                 cur = nxt
-            events.append(_chain_event(tier, parents[start], at, chain, medium, group))
+            events.append(chain_event(tier, parents[start], at, chain, medium, group))
         if len(emitted) == len(tier):
             return events
         pending.append(next(h for h in leftovers if h not in emitted))
 
 
-def _same_kind(a: BlockStored, b: BlockStored) -> bool:
+def same_kind(a: BlockStored, b: BlockStored) -> bool:
     return a is b or (
         a.block_size == b.block_size
         and a.kv_cache_spec_kind == b.kv_cache_spec_kind
@@ -79,7 +79,7 @@ def _same_kind(a: BlockStored, b: BlockStored) -> bool:
     )
 
 
-def _chain_event(
+def chain_event(
     tier: Tier,
     head_parent: int | None,
     at: dict[int, int],

@@ -9,15 +9,23 @@ not copied here (a copy as of O would only be older than the keys recovery reads
 Writing (:class:`Checkpointer`, a background task of the daemon):
 
 1. the snapshot is the reducer's state at its offset O (records reach the reducer only once the
-   log holds them, so the state at O is what the log holds up to O), exported by a forked child
-   from its copy-on-write copy (offloadd.log.forked_export), so the loop does not stall;
-2. it is encoded in chunks of at most ``CHUNK_EVENTS`` stored-events, each written to
-   ``ckpt:{id}:{i}`` as it arrives from the child;
-3. one script writes the manifest (offset, epoch, each chunk's xxh3) and swaps the pointer
-   ``ckpt`` (ids of the complete checkpoints, newest first), after checking the owner lease and
-   that the pointer is the one we read: a failure before this leaves the previous one in force;
+   log holds them, so the state at O is what the log holds up to O), cut into chunks by a
+   forked child from its copy-on-write copy (offloadd.log.forked_export), so the loop does not
+   stall;
+2. the chunks are content-addressed and shared between checkpoints (format 2 of
+   events.checkpoint, cut by events.checkpoint_cut, DECISIONS 60): the child re-encodes only
+   the segments that changed since the last checkpoint written (the events of that export are
+   held here, so its fingerprints stay exact), and sends bytes only for chunks the kept
+   checkpoints do not list; those are written to ``ckpt:chunk:{address}`` as they arrive.
+   A checkpoint thus costs Redis what changed, not the state;
+3. one script checks that every chunk the manifest lists exists, writes the manifest (offset,
+   epoch, fences, the chunks' addresses) and swaps the pointer ``ckpt`` (ids of the complete
+   checkpoints, newest first), after checking the owner lease and that the pointer is the one
+   we read: a failure before this leaves the previous one in force;
 4. checkpoints that left the pointer are deleted (``KEEP`` stay: the newest and the one before,
-   so a torn newest falls back to its predecessor), with chunks of writes that never finished;
+   so a torn newest falls back to its predecessor), with the chunks no kept checkpoint lists
+   (those of dropped checkpoints and of writes that never finished): a chunk a kept manifest
+   lists is never deleted;
 5. the log is trimmed to the retention horizon: each of ``retention_records``, ``retention_s``
    and ``retention_bytes`` is a floor of what is kept and the horizon is the oldest of them (the
    one keeping most), but never past the oldest kept checkpoint's offset + 1, and the last
@@ -35,15 +43,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from dataclasses import dataclass
 from typing import Any, Final
 
-from redis.exceptions import RedisError
-
 from events.checkpoint import (
     CHUNK_EVENTS,
+    FORMAT,
     CheckpointBroken,
     Manifest,
     checkpoint_id,
@@ -53,19 +59,16 @@ from events.checkpoint import (
     join,
     split,
 )
+from events.checkpoint_cut import Cuts, fences, held
 from offloadd.config import OffloaddConfig
-from offloadd.errors import OffloaddError
 from offloadd.log.checkpoint_load import CheckpointMissing, get_key, load, pointer_ids, restore
-from offloadd.log.forked_export import ExportFailed, export_chunks
+from offloadd.log.checkpoint_store import CheckpointFailed, CheckpointStore
+from offloadd.log.forked_export import ExportFailed, export_pieces
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
 
 log = logging.getLogger(__name__)
 
 KEEP: Final[int] = 2  # complete checkpoints kept: the newest and its fallback
-
-
-class CheckpointFailed(OffloaddError):
-    """A checkpoint was not written (the previous one stays in force); retried later."""
 
 
 @dataclass
@@ -78,35 +81,11 @@ class CheckpointStats:
     first_offset: int = 0
     log_length: int = 0
     num_written: int = 0
+    bytes_sent: int = 0  # the newest checkpoint's new chunks: what writing it cost Redis
     num_failed: int = 0
     num_trimmed: int = 0
 
 
-# KEYS: owner, pointer, epoch, then the keys to write. ARGV: owner value ('' = unchecked), '1'
-# when the pointer must still hold ARGV[3] ('' = absent), the log's epoch ('' = unchecked), then
-# per key from KEYS[4]: 'SET'/'DEL', value. The epoch check keeps a daemon that ended its log
-# (offloadd.log.failover) from writing a checkpoint of the log that is gone into the keys the
-# next epoch uses. Checks first, writes after: a refusal writes nothing.
-_PUT = """
-if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'owner'} end
-if ARGV[4] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[4] then return {'epoch'} end
-if ARGV[2] == '1' then
-  local t = redis.call('TYPE', KEYS[2])['ok']
-  if t ~= 'none' and t ~= 'string' then return {'wrongtype', KEYS[2], t} end
-  if (redis.call('GET', KEYS[2]) or '') ~= ARGV[3] then return {'moved'} end
-end
-for k = 4, #KEYS do
-  local t = redis.call('TYPE', KEYS[k])['ok']
-  if ARGV[2 * k - 3] == 'SET' and t ~= 'none' and t ~= 'string' then
-    return {'wrongtype', KEYS[k], t}
-  end
-end
-for k = 4, #KEYS do
-  local a = 2 * k - 3
-  if ARGV[a] == 'SET' then redis.call('SET', KEYS[k], ARGV[a + 1]) else redis.call('DEL', KEYS[k]) end
-end
-return {'ok'}
-"""
 
 
 __all__ = [
@@ -116,6 +95,7 @@ __all__ = [
     "CheckpointMissing",
     "CheckpointStats",
     "Checkpointer",
+    "Cuts",
     "Manifest",
     "checkpoint_id",
     "join",
@@ -133,11 +113,15 @@ class Checkpointer:
         self.config = config
         self.epoch = epoch
         self.stats = CheckpointStats()
-        self.chunk_events = CHUNK_EVENTS
+        self.cuts = Cuts()
+        self.batch_bytes = 1 << 20  # new chunks' bytes per script call
         self.fork = True  # export in a forked child (offloadd.log.forked_export); False: in the loop
-        self._put = md.client.register_script(_PUT)
+        self.store = CheckpointStore(md, epoch)
         self._pointer: bytes | None = None  # the pointer as last read or written
-        self._is_dirty = True  # keys of unfinished or dropped checkpoints may be left
+        # The last written checkpoint's segments (fingerprint -> address, length) and every event
+        # its export saw, held so the fingerprints stay exact (events.checkpoint_cut).
+        self._known: dict[bytes, tuple[str, int]] = {}
+        self._held: list[Any] = []
 
     async def run(self) -> None:
         cfg = self.config
@@ -175,6 +159,7 @@ class Checkpointer:
                 continue
             if manifest.epoch == self.epoch:
                 self._note(manifest)
+        await self.store.referenced(pointer_ids(self._pointer))
         await self._bounds()
 
     def _note(self, manifest: Manifest) -> None:
@@ -200,82 +185,59 @@ class Checkpointer:
             return None
         if self._pointer is None:
             self._pointer = await get_key(self.md, self.md.keys.checkpoint) or b""
-        offset = self.md.state.offset  # no await from here to the fork in export_chunks
-        keys = self.md.keys
+        try:
+            present = await self.store.present(pointer_ids(self._pointer))
+        except RedisUnavailable as exc:
+            raise CheckpointFailed(str(exc)) from exc
+        known = {fp: hit for fp, hit in self._known.items() if hit[0] in present}
+        state = self.md.state
+        offset = state.offset  # no await from here to the fork in export_pieces
         ckpt_id = checkpoint_id(self.epoch, offset)
-        checksums: list[int] = []
-        size = 0
+        sources, holding = fences(state), held(state)
+        addresses: list[str] = []
+        segments: dict[bytes, tuple[str, int]] = {}
+        batch: dict[str, bytes] = {}
+        size = sent = 0
         # The state at exactly `offset`: a forked child's copy (offloadd.log.forked_export), taken
         # before this coroutine yields again.
-        chunks = export_chunks(self.md.state, self.chunk_events, fork)
+        chunks = export_pieces(state, self.cuts, known, present, fork)
         try:
             async with contextlib.aclosing(chunks):
-                async for data, checksum in chunks:
-                    checksums.append(checksum)
-                    size += len(data)
-                    self._is_dirty = True
-                    await self._call([(keys.checkpoint_chunk(ckpt_id, len(checksums) - 1), data)])
+                async for piece in chunks:
+                    addresses.append(piece.address)
+                    segments[piece.fingerprint] = (piece.address, piece.length)
+                    size += piece.length
+                    if piece.data is not None and piece.address not in present:
+                        present.add(piece.address)
+                        batch[piece.address] = piece.data
+                        sent += piece.length
+                        if sum(map(len, batch.values())) >= self.batch_bytes:
+                            await self.store.write(batch)
+            await self.store.write(batch)
         except ExportFailed as exc:
             raise CheckpointFailed(str(exc)) from exc
-        manifest = Manifest(ckpt_id, offset, self.epoch, time.time(), tuple(checksums), size)
+        manifest = Manifest(ckpt_id, offset, self.epoch, time.time(), (0,), size, FORMAT,
+                            tuple(addresses), sources)
         kept = tuple(dict.fromkeys((ckpt_id, *pointer_ids(self._pointer))))[:KEEP]
         pointer = encode_ids(kept)
         try:
-            await self._call([(keys.checkpoint_manifest(ckpt_id), encode_manifest(manifest)),
-                              (keys.checkpoint, pointer)], expect=self._pointer)
+            await self.store.put([(self.md.keys.checkpoint_manifest(ckpt_id), encode_manifest(manifest)),
+                              (self.md.keys.checkpoint, pointer)], expect=self._pointer,
+                             must_exist=[self.md.keys.checkpoint_content(a) for a in set(addresses)])
         except CheckpointFailed:
             self._pointer = None  # in doubt or moved: read it again next time
+            self.store.forget()  # and what the kept checkpoints list and Redis holds
             raise
         self._pointer = pointer
+        self.store.listed[ckpt_id] = frozenset(addresses)
+        self._known, self._held = segments, holding
         self._note(manifest)
         self.stats.num_written += 1
-        log.info("checkpoint %s written: offset %d, %d chunks, %d bytes",
-                 ckpt_id, offset, len(checksums), manifest.num_bytes)
-        await self._sweep(kept)
+        self.stats.bytes_sent = sent
+        log.info("checkpoint %s written: offset %d, %d chunks, %d bytes; %d bytes new",
+                 ckpt_id, offset, len(addresses), manifest.num_bytes, sent)
+        await self.store.sweep(kept)
         return manifest
-
-    async def _call(self, ops: list[tuple[str, bytes | None]], expect: bytes | None = None) -> None:
-        """SET (value) or DEL (None) each key in one fenced script call."""
-        md = self.md
-        args: list[Any] = [md.owner, "0" if expect is None else "1", expect or b"", self.epoch]
-        for _, value in ops:
-            args += ("DEL", b"") if value is None else ("SET", value)
-        try:
-            reply = await self._put(
-                keys=[md.keys.owner, md.keys.checkpoint, md.keys.epoch, *(k for k, _ in ops)], args=args)
-        except (RedisError, OSError) as exc:
-            raise CheckpointFailed(f"Redis unreachable or refused the write: {exc}") from exc
-        code = reply[0].decode()
-        if code == "ok":
-            return
-        if code == "owner":
-            raise CheckpointFailed("the namespace's owner lease is not ours: write refused")
-        if code == "epoch":
-            raise CheckpointFailed(f"{md.keys.epoch} is no longer {self.epoch}: the log this "
-                                   "checkpoint is of was ended; not written")
-        if code == "moved":
-            raise CheckpointFailed(f"{md.keys.checkpoint} changed under the daemon: not swapped")
-        detail = [d.decode(errors="replace") for d in reply[1:]]
-        raise CheckpointFailed(f"WRONGTYPE: key {detail[0]} is a {detail[1]}, expected a string; "
-                               f"{md.repair_hint()}")
-
-    async def _sweep(self, kept: tuple[str, ...]) -> None:
-        """Delete every checkpoint key whose id is not in ``kept`` (dropped, or never finished)."""
-        if not self._is_dirty:
-            return
-        prefix = self.md.keys.checkpoint_manifest("")
-        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*"
-        stale: list[str] = []
-        try:
-            async for key in self.md.client.scan_iter(match=pattern, count=1000):
-                name = key.decode(errors="replace")
-                if name[len(prefix):].split(":", 1)[0] not in kept:
-                    stale.append(name)
-        except (RedisError, OSError) as exc:
-            raise CheckpointFailed(f"Redis unreachable listing old checkpoints: {exc}") from exc
-        for at in range(0, len(stale), 256):
-            await self._call([(k, None) for k in stale[at : at + 256]])
-        self._is_dirty = False
 
     async def trim(self) -> int:
         """Trim the log to the retention horizon (module docstring); how many records went."""

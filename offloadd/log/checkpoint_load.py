@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 from events.checkpoint import (
     CheckpointBroken,
     Manifest,
+    chunk_keys,
     decode_ids,
     decode_manifest,
     decode_snapshot,
@@ -58,8 +59,8 @@ async def load(md: MetadataStore, ckpt_id: str) -> tuple[Manifest, Snapshot]:
     try:
         manifest = decode_manifest(await md.client.get(keys.checkpoint_manifest(ckpt_id)), ckpt_id)
         async with md.client.pipeline(transaction=False) as pipe:
-            for i in range(len(manifest.checksums)):
-                pipe.get(keys.checkpoint_chunk(ckpt_id, i))
+            for name in chunk_keys(keys, manifest):
+                pipe.get(name)
             datas = await pipe.execute(raise_on_error=False)
     except (RedisError, OSError) as exc:
         if isinstance(exc, OSError) or "WRONGTYPE" not in str(exc):

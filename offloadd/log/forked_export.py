@@ -1,14 +1,15 @@
-"""A checkpoint's chunks encoded by a forked child, as Redis's BGSAVE does (DECISIONS 39, 51).
+"""A checkpoint's chunks cut by a forked child, as Redis's BGSAVE does (DECISIONS 39, 51, 60).
 
-Exporting the reducer's state is pure Python work proportional to the resident blocks (about a
-second for 100k blocks on the 2-core machine); done on the daemon's event loop it stalls every
-request and stream that long. ``fork()`` instead gives a child an exact copy of the state at this
-instant (copy-on-write: the parent keeps applying records at once); the child exports it,
-encodes the chunks and streams them through a pipe as ``[length, xxh3][data]`` frames ended by a
-done frame, then exits with ``os._exit`` (no atexit, no finalizers, no asyncio, no gRPC in the
-child). The parent only reads frames and writes them to Redis. A child that dies or writes a
-torn stream fails the checkpoint (the previous one stays in force). Without ``os.fork`` the
-export runs in the loop, yielding between chunks.
+Cutting the reducer's state into chunks (events.checkpoint_cut) walks every resident block;
+done on the daemon's event loop it stalls every request and stream. ``fork()`` instead gives a
+child an exact copy of the state at this instant (copy-on-write: the parent keeps applying
+records at once); the child cuts it, encodes the chunks whose segments changed since the
+export the parent still holds the events of (``known``), and streams one frame per chunk
+through a pipe, ``[kind, address, fingerprint, length]`` then the bytes unless Redis holds them
+already (``present``), ended by a done frame; then it exits with ``os._exit`` (no atexit, no
+finalizers, no asyncio, no gRPC in the child). The parent only reads frames and writes new
+chunks to Redis. A child that dies or writes a torn stream fails the checkpoint (the previous
+one stays in force). Without ``os.fork`` the export runs in the loop, yielding between chunks.
 
 The child must run nothing of the parent's but this module's loop: gRPC core's fork handlers
 are off in the daemon's process (set in ``offloadd/__init__`` before grpc loads; on, they
@@ -25,27 +26,28 @@ import gc
 import os
 import signal
 import struct
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Container, Mapping
 from typing import Final, NoReturn
 
-from events.checkpoint import encode_chunk, split
+from events.checkpoint_cut import Cuts, Piece, pieces
 from events.state import CacheState
 
-_FRAME: Final = struct.Struct("<QQ")  # data length, xxh3_64 of the data
-_DONE: Final[int] = (1 << 64) - 1  # the length of the frame that ends a complete stream
+_FRAME: Final = struct.Struct("<B16s16sQ")  # kind, address, fingerprint, chunk length
+_REF, _DATA, _DONE = 0, 1, 2  # kinds: a chunk Redis holds; one whose bytes follow; the end
 
 
 class ExportFailed(Exception):
     """The child did not deliver every chunk (it died, or the stream was torn)."""
 
 
-async def export_chunks(state: CacheState, per_chunk: int, fork: bool = True
-                        ) -> AsyncGenerator[tuple[bytes, int], None]:
-    """The state's checkpoint chunks as ``(data, xxh3)``, in order; ExportFailed when the
-    export could not finish."""
+async def export_pieces(state: CacheState, cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
+                        present: Container[str], fork: bool = True) -> AsyncGenerator[Piece, None]:
+    """The state's checkpoint chunks (events.checkpoint_cut.pieces), in order; ExportFailed
+    when the export could not finish."""
     if not fork or not hasattr(os, "fork"):
-        for part in split(state.export(), per_chunk):
-            yield encode_chunk(part)
+        copies = [(s, m, g, dict(t)) for s, m, g, t in state.tiers()]  # the state now, at once
+        for piece in pieces(copies, cuts, known, present):
+            yield piece
             await asyncio.sleep(0)
         return
     r, w = os.pipe()
@@ -58,7 +60,7 @@ async def export_chunks(state: CacheState, per_chunk: int, fork: bool = True
     try:
         pid = os.fork()
         if pid == 0:
-            _child(state, per_chunk, r, w)
+            _child(state, (cuts, known, present), r, w)
     finally:
         if was_enabled:
             gc.enable()  # the parent; the child never returns from _child
@@ -71,14 +73,14 @@ async def export_chunks(state: CacheState, per_chunk: int, fork: bool = True
     try:
         while True:
             try:
-                length, checksum = _FRAME.unpack(await reader.readexactly(_FRAME.size))
-                if length == _DONE:
+                kind, address, fp, length = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+                if kind == _DONE:
                     done = True
                     break
-                data = await reader.readexactly(length)
+                data = await reader.readexactly(length) if kind == _DATA else None
             except asyncio.IncompleteReadError:
                 break
-            yield data, checksum
+            yield Piece(address.hex(), length, fp, data)
     finally:
         transport.close()
         if not done:
@@ -93,7 +95,8 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)  # our own child: a reader that stopped wants no more
 
 
-def _child(state: CacheState, per_chunk: int, r: int, w: int) -> NoReturn:
+def _child(state: CacheState, args: tuple[Cuts, Mapping[bytes, tuple[str, int]], Container[str]],
+           r: int, w: int) -> NoReturn:
     code = 1
     try:
         os.close(r)
@@ -103,11 +106,12 @@ def _child(state: CacheState, per_chunk: int, r: int, w: int) -> NoReturn:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
         with open(w, "wb", closefd=True) as out:
-            for part in split(state.export(), per_chunk):
-                data, checksum = encode_chunk(part)
-                out.write(_FRAME.pack(len(data), checksum))
-                out.write(data)
-            out.write(_FRAME.pack(_DONE, 0))
+            for piece in pieces(state.tiers(), *args):
+                kind = _REF if piece.data is None else _DATA
+                out.write(_FRAME.pack(kind, bytes.fromhex(piece.address), piece.fingerprint, piece.length))
+                if piece.data is not None:
+                    out.write(piece.data)
+            out.write(_FRAME.pack(_DONE, b"", b"", 0))
         code = 0
     finally:
         os._exit(code)

@@ -15,9 +15,10 @@ import os
 import sys
 
 from events.checkpoint import Manifest, decode_snapshot
+from events.checkpoint_cut import Cuts, fences
 from events.schema import BlockStored, LogRecord
 from events.state import CacheState
-from offloadd.log.forked_export import ExportFailed, export_chunks
+from offloadd.log.forked_export import ExportFailed, export_pieces
 
 
 def _state(n: int) -> CacheState:
@@ -51,15 +52,16 @@ async def _run(num_exports: int) -> dict[str, object]:
     while calls < 20:  # traffic flowing before the first fork
         await asyncio.sleep(0.01)
     state, failed, wrong = _state(2000), [], 0
-    want = state.export()
+    want = CacheState.from_snapshot(state.export())
     for i in range(num_exports):
         try:
-            chunks = [c async for c in export_chunks(state, 500)]
+            chunks = [c async for c in export_pieces(state, Cuts(500, 1, 500), {}, set())]
         except ExportFailed as exc:
             failed.append(f"export {i}: {exc}")
             continue
-        manifest = Manifest("x", want.offset, "e", 0.0, tuple(c for _, c in chunks), 0)
-        wrong += decode_snapshot(manifest, [d for d, _ in chunks]) != want
+        manifest = Manifest("x", want.offset, "e", 0.0, (0,), 0, 2, tuple(c.address for c in chunks),
+                            fences(state))
+        wrong += CacheState.from_snapshot(decode_snapshot(manifest, [c.data for c in chunks])) != want
     stop.set()
     await asyncio.gather(*clients)
     await server.stop(1.0)

@@ -112,7 +112,7 @@ def test_checkpoint_is_pointed_to_and_log_is_trimmed_behind_it(
         stream = IngestStream(proc.target, "gpu-engine", 3)
         publish(stream, 0, 600)
         m = wait_checkpoint(admin, keys, head(admin, keys))
-        assert m.offset == head(admin, keys) and m.checksums and m.num_bytes > 0
+        assert m.offset == head(admin, keys) and m.format == 2 and m.chunks and m.num_bytes > 0
         publish(stream, 600, 400)
         m2 = wait_checkpoint(admin, keys, head(admin, keys))
         # Nothing is published any more, so no checkpoint follows m2 (there is nothing new) and
@@ -126,9 +126,12 @@ def test_checkpoint_is_pointed_to_and_log_is_trimmed_behind_it(
         while (first := first_offset(admin, keys)) != horizon:
             assert first < horizon and time.monotonic() < deadline, (first, horizon, kept)
             time.sleep(0.05)
-        # Only the kept checkpoints' keys remain.
+        # Only the kept checkpoints' keys remain: their manifests and the chunks they list.
         ckpt_keys = {k.decode() for k in admin.scan_iter(match=keys.checkpoint_manifest("*"))}
-        assert {k.split(":")[3] for k in ckpt_keys} == set(pointer(admin, keys))
+        shared = {k for k in ckpt_keys if k.startswith(keys.checkpoint_content_prefix)}
+        assert {k.split(":")[3] for k in ckpt_keys - shared} == set(pointer(admin, keys))
+        listed = {a for i in pointer(admin, keys) for a in manifest(admin, keys, i).chunks}
+        assert shared == {keys.checkpoint_content(a) for a in listed}
         with OffloadClient(proc.target) as c:
             assert c.snapshot().offset == head(admin, keys)
         # The gauges are read from the daemon's stats, refreshed by its next trim pass: they
@@ -187,12 +190,14 @@ def test_torn_checkpoint_falls_back_to_the_previous_one(
         ids = pointer(admin, keys)  # read after the kill: a checkpoint may have come meanwhile
         assert len(ids) == 2
         previous = manifest(admin, keys, ids[1])
-        admin.delete(keys.checkpoint_chunk(ids[0], 0))
+        newest = manifest(admin, keys, ids[0])
+        only_newest = [i for i, a in enumerate(newest.chunks) if a not in previous.chunks]
+        admin.delete(keys.checkpoint_content(newest.chunks[only_newest[0]]))
         proc.restart()
         num_records, ckpt_offset = recovery_counts(proc)
         assert ckpt_offset == previous.offset
         assert num_records == before.offset - previous.offset
-        assert "unusable (chunk 0 missing)" in proc.log_path.read_text()
+        assert f"unusable (chunk {only_newest[0]} missing)" in proc.log_path.read_text()
         with OffloadClient(proc.target) as c:
             assert c.snapshot() == before
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from events.checkpoint import Manifest, decode_snapshot
+from events.checkpoint_cut import Cuts, Piece, fences
 from events.schema import BlockStored, LogRecord
 from events.state import CacheState
-from offloadd.log.forked_export import ExportFailed, export_chunks
+from offloadd.log.forked_export import ExportFailed, export_pieces
 from tests.support.child_process import REPO
 from tests.support.offloadd_proc import DaemonProcess
 from tests.support.synthetic_engine import SyntheticPublisher, SyntheticStorer
@@ -34,11 +35,11 @@ def _state(n: int) -> CacheState:
 @pytest.mark.parametrize("fork", [True, False])
 def test_the_chunks_are_the_state_at_the_start_while_the_parent_moves_on(fork: bool) -> None:
     state = _state(3000)
-    want = state.export()
+    want, sources = CacheState.from_snapshot(state.export()), fences(state)
 
-    async def run() -> list[tuple[bytes, int]]:
+    async def run() -> list[Piece]:
         got = []
-        async for chunk in export_chunks(state, 500, fork):
+        async for chunk in export_pieces(state, Cuts(500, 1, 500), {}, set(), fork):
             got.append(chunk)
             if fork:  # the parent applies more records meanwhile; the child's copy is as of the fork
                 n = state.offset + 1
@@ -47,8 +48,8 @@ def test_the_chunks_are_the_state_at_the_start_while_the_parent_moves_on(fork: b
 
     chunks = asyncio.run(run())
     assert len(chunks) == 6
-    manifest = Manifest("x", want.offset, "e", 0.0, tuple(c for _, c in chunks), 0)
-    assert decode_snapshot(manifest, [d for d, _ in chunks]) == want
+    manifest = Manifest("x", want.offset, "e", 0.0, (0,), 0, 2, tuple(c.address for c in chunks), sources)
+    assert CacheState.from_snapshot(decode_snapshot(manifest, [c.data for c in chunks])) == want
     assert state.offset == (3006 if fork else 3000)
 
 
@@ -66,7 +67,7 @@ def test_a_child_killed_midway_fails_the_export() -> None:
 
     async def run() -> int:
         n = 0
-        async for _ in export_chunks(_state(20_000), 100):
+        async for _ in export_pieces(_state(20_000), Cuts(100, 1, 100), {}, set()):
             n += 1
             if n == 1:
                 for child in set(_children()) - before:

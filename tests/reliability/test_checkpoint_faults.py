@@ -13,6 +13,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from events.checkpoint import chunk_keys
+from events.checkpoint_cut import Cuts
 from events.logkeys import LogKeys
 from events.schema import BlockStored
 from events.state import CacheState
@@ -83,7 +85,7 @@ def test_trimmed_log_without_a_usable_checkpoint_stops_startup(
         assert first_offset(admin, keys) > 1
         proc.kill()
         for ckpt_id in pointer(admin, keys):
-            admin.delete(keys.checkpoint_chunk(ckpt_id, 0))
+            admin.delete(*chunk_keys(keys, manifest(admin, keys, ckpt_id))[:1])
         with pytest.raises(RuntimeError, match="exited with 1"):
             proc.restart()
         lines = [ln for ln in proc.log_tail(5).splitlines() if "refusing to start" in ln]
@@ -154,12 +156,12 @@ def test_redis_failing_between_chunks_leaves_the_previous_checkpoint_in_force(
                                        lambda pipe: None, lambda record: None))
 
         cp = Checkpointer(md, OffloaddConfig(namespace=namespace), "e" * 16)
-        cp.chunk_events = 3
+        cp.cuts, cp.batch_bytes = Cuts(3, 1, 3), 1  # chunks of 3 blocks, each in its own call
         await append(10, 0)
         first = await cp.write()
-        assert first is not None and len(first.checksums) == 4
+        assert first is not None and len(first.chunks) == 4
         await append(10, 10)
-        real, calls = cp._put, []
+        real, calls = cp.store._script, []
 
         async def failing(**kw: Any) -> Any:
             calls.append(kw)
@@ -167,10 +169,10 @@ def test_redis_failing_between_chunks_leaves_the_previous_checkpoint_in_force(
                 raise redis.ConnectionError("Redis went away")
             return await real(**kw)
 
-        cp._put = failing
+        cp.store._script = failing
         with pytest.raises(CheckpointFailed, match="went away"):
             await cp.write()
-        assert len(calls) == 3  # two chunks written, the third refused
+        assert len(calls) == 3  # two new chunks written (blocks 9-11, 12-14), the third refused
         assert pointer(redis.Redis.from_url(redis_url), keys) == (first.ckpt_id,)
         # A restart from here loads the previous checkpoint and replays the rest.
         fresh = MetadataStore(client, keys, CacheState())
@@ -181,11 +183,13 @@ def test_redis_failing_between_chunks_leaves_the_previous_checkpoint_in_force(
                 fresh.state.apply(record)
         assert fresh.state.export() == md.state.export()
         # Redis is back: the next write succeeds and removes the unfinished one's chunks.
-        cp._put = real
+        cp.store._script = real
         second = await cp.write()
         assert second is not None and second.offset == 20
         names = {k.decode().split(":")[3] async for k in client.scan_iter(match=keys.checkpoint_manifest("*"))}
-        assert names == {first.ckpt_id, second.ckpt_id}
+        assert names == {first.ckpt_id, second.ckpt_id, "chunk"}
+        stored = {k.decode() async for k in client.scan_iter(match=keys.checkpoint_content("*"))}
+        assert stored == {keys.checkpoint_content(a) for a in {*first.chunks, *second.chunks}}
         await client.aclose()
 
     asyncio.run(scenario())

@@ -1,0 +1,154 @@
+"""Format 2 checkpoint chunks: each tier cut by content, so a checkpoint costs what changed.
+
+A tier of CacheState is a dict in insertion order: a stored block is appended at its end, a
+removed one leaves its place, and nothing is ever inserted in the middle. Each tier's blocks are
+cut into segments in that order, with a boundary after a block whose (mixed) hash falls in one
+of ``Cuts.avg`` buckets, once the segment holds ``Cuts.min`` blocks, and at ``Cuts.max`` blocks
+at the latest. The boundaries are a property of the blocks, not of their positions: appends
+change only the tier's last segment (and add new ones), a removal only its own segment (and the
+next, until a boundary is met again). A segment is one chunk: a msgpack tuple with one
+SourceSnapshot of the blocks (chains merged into one event as ``CacheState.export`` does) and
+no fence (fences change with every record: they are in the manifest). A chunk is stored under
+its content address (events.checkpoint.chunk_address), so checkpoints share their unchanged
+chunks.
+
+The exporter does not even re-encode an unchanged segment: its *fingerprint* is a digest of the
+segment's identity (source, tier, block hashes, and the ``id()`` of each block's stored event).
+Events are immutable, and the exporter's caller keeps every event of the state it last exported
+alive (:func:`held`) for as long as it looks fingerprints of that export up: no other object can
+then have one of those ids, so an equal fingerprint means the very same events under the same
+hashes, that is the same chunk bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Container, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import msgspec
+
+from events.checkpoint import chunk_address
+from events.schema import BlockStored, Medium
+from events.state import CacheState, SourceSnapshot
+from events.state_chains import chain_event, same_kind
+from events.state_tier import Tier, positions
+
+_MIX = 0x9E3779B97F4A7C15  # odd: a bijection of 64-bit hashes, so sequential hashes spread
+_MASK = (1 << 64) - 1
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """Segment sizes in blocks: at least ``min`` (but a tier's last), ``avg`` on average
+    (a power of two), at most ``max``."""
+
+    min: int = 256
+    avg: int = 1024
+    max: int = 4096
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min <= self.max or self.avg < 1 or self.avg & (self.avg - 1):
+            raise ValueError(f"bad cuts {self}: need 1 <= min <= max and avg a power of two")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One chunk of a checkpoint, in order: its address and length, the fingerprint of the
+    segment it holds, and its bytes unless Redis holds them already (``data`` None)."""
+
+    address: str
+    length: int
+    fingerprint: bytes
+    data: bytes | None
+
+
+def segments(keys: list[int], cuts: Cuts) -> Iterator[tuple[int, int]]:
+    """``[start, end)`` of each segment of a tier whose hashes are ``keys`` (module docstring)."""
+    n = len(keys)
+    shift = 64 - (cuts.avg.bit_length() - 1)  # a boundary: the mixed hash's top bits all 0
+    start = 0
+    while start < n:
+        last = min(start + cuts.max, n) - 1
+        i = min(start + cuts.min - 1, last)
+        if shift < 64:
+            while i < last and ((keys[i] * _MIX) & _MASK) >> shift:
+                i += 1
+        yield start, i + 1
+        start = i + 1
+
+
+def fingerprint(source: str, medium: Medium, group: int, keys: list[int], events: list[BlockStored]) -> bytes:
+    """The identity of a segment (module docstring): equal only for the same events."""
+    h = hashlib.blake2b(f"{source}\0{medium}\0{group}\0".encode(), digest_size=16)
+    h.update(array("Q", keys))
+    h.update(array("Q", map(id, events)))
+    return h.digest()
+
+
+def encode_segment(source: str, medium: Medium, group: int, tier: Tier, keys: list[int]) -> bytes:
+    """The chunk of one segment: its blocks in order, runs that chain merged into one event."""
+    out: list[BlockStored] = []
+    at: dict[int, int] = {}
+    index: dict[int, dict[int, int]] = {}  # id(event) -> positions; the tier keeps each alive
+    chain: list[int] = []
+    head: BlockStored | None = None
+    head_parent: int | None = None
+    for h in keys:
+        ev = tier[h]
+        hashes = ev.block_hashes
+        if len(hashes) == 1:
+            i, parent = 0, ev.parent_block_hash
+        else:
+            where = index.get(id(ev))
+            if where is None:
+                where = index[id(ev)] = positions(hashes)
+            i = where[h]
+            parent = ev.parent_block_hash if i == 0 else hashes[i - 1]
+        at[h] = i
+        if head is not None and parent == chain[-1] and same_kind(ev, head):
+            chain.append(h)
+            continue
+        if head is not None:
+            out.append(chain_event(tier, head_parent, at, chain, medium, group))
+        chain, head, head_parent = [h], ev, parent
+    if head is not None:
+        out.append(chain_event(tier, head_parent, at, chain, medium, group))
+    return _encoder.encode((SourceSnapshot(source, 0, 0, tuple(out)),))
+
+
+TierItem = tuple[str, Medium, int, Tier]  # as CacheState.tiers yields them
+
+
+def pieces(tiers: Iterable[TierItem], cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
+           present: Container[str]) -> Iterator[Piece]:
+    """The chunks of ``tiers`` (``CacheState.tiers()``, or copies of them), in order.
+    ``known``: fingerprint -> (address, length) of an export whose events the caller holds
+    (:func:`held`); ``present``: addresses Redis holds (no bytes are produced for those)."""
+    for source, medium, group, tier in tiers:
+        keys = list(tier)
+        values = list(tier.values())
+        for start, end in segments(keys, cuts):
+            part = keys[start:end]
+            fp = fingerprint(source, medium, group, part, values[start:end])
+            hit = known.get(fp)
+            if hit is not None:
+                yield Piece(hit[0], hit[1], fp, None)
+                continue
+            data = encode_segment(source, medium, group, tier, part)
+            address = chunk_address(data)
+            yield Piece(address, len(data), fp, None if address in present else data)
+
+
+def held(state: CacheState) -> list[list[BlockStored]]:
+    """Every event the state holds now: kept alive by the exporter's caller while it looks up
+    fingerprints of an export taken now (module docstring)."""
+    return [list(tier.values()) for _, _, _, tier in state.tiers()]
+
+
+def fences(state: CacheState) -> tuple[tuple[str, int, int], ...]:
+    """Every source's ``(source, incarnation, last_seq)`` (0, 0: unfenced), sorted."""
+    return tuple((s, *(state.fence(s) or (0, 0))) for s in state.sources())
