@@ -180,9 +180,12 @@ def run_pipeline(work: Path, streams: list[list[tuple[Event, ...]]],
     applied = sum(a for _, a, _ in engines)
     written = [int(b) for b in re.findall(r" written: offset \d+, \d+ chunks, (\d+) bytes",
                                           daemon.log_path.read_text(errors="replace"))]
+    sent = [int(b) for b in re.findall(r" written: offset \d+, \d+ chunks, \d+ bytes; (\d+) bytes new",
+                                       daemon.log_path.read_text(errors="replace"))]
     return {"batches": n, "block_events": total, "applied": applied, **got,
             "checkpoints": len(written), "checkpoint_bytes_max": max(written, default=0),
-            "checkpoint_bytes_total": sum(written), "redis": stalls,
+            "checkpoint_bytes_total": sum(written),
+            "checkpoint_bytes_sent_total": sum(sent) if sent else sum(written), "redis": stalls,
             "engines_failed": len(procs) - len(engines),
             "lost": n - got["received"], "wall_s": wall,
             "block_events_per_s": total / wall if got["received"] == n else None,
