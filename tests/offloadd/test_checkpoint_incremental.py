@@ -6,8 +6,10 @@ Redis holds, and format 1 checkpoints of an older daemon still load and are swep
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,9 +31,14 @@ from events.checkpoint_cut import Cuts
 from events.logkeys import LogKeys
 from events.schema import BlockRemoved, BlockStored, Event
 from events.state import CacheState
+from events.subscriber import KvEventSubscriber
+from kvctl.main import main as kvctl
 from offloadd.config import OffloaddConfig
 from offloadd.log.checkpoint import Checkpointer, CheckpointFailed, restore
 from offloadd.log.metadata import Append, MetadataStore
+from tests.bridge.test_trimmed_log import bootstrap_at
+from tests.kvctl.test_daemon import _from_json
+from tests.support.bridge_proc import BridgeProcess
 
 EPOCH = "e" * 16
 
@@ -192,3 +199,40 @@ def test_a_format_1_checkpoint_loads_and_is_swept_once_dropped(redis_url: str, n
         assert await rig.restored() == rig.md.state
 
     scenario(redis_url, namespace, body)
+
+
+def test_kv_bridge_and_kvctl_bootstrap_from_a_checkpoint_of_shared_chunks(
+    redis_url: str, namespace: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Two checkpoints sharing most of their chunks, the log trimmed past the older one's tail:
+    kv-bridge (a real process) and kvctl start from the newer one plus the tail."""
+    got: list[Any] = []
+
+    async def body(rig: Rig) -> None:
+        await rig.store(0, 600)
+        first = await rig.cp.write()
+        await rig.store(5000, 100)
+        await rig.put(BlockRemoved(tuple(range(100, 140)), "GPU"))
+        second = await rig.cp.write()
+        assert first is not None and second is not None
+        shared = set(first.chunks) & set(second.chunks)
+        assert len(shared) >= len(second.chunks) // 2 and len(second.chunks) > 10
+        await rig.store(7000, 50)  # the tail
+        await rig.client.xtrim(rig.keys.log, minid=f"{second.offset + 1}-0", approximate=False)
+        got.extend((second, rig.md.state))
+
+    scenario(redis_url, namespace, body)
+    second, state = got
+    doc_src = [redis_url, "--namespace", namespace]
+    assert kvctl(["replay", *doc_src, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["from"] == f"from checkpoint at offset {second.offset}"
+    assert doc["offset"] == state.offset and _from_json(doc)[0] == state.view()
+    bridge = BridgeProcess(redis_url, tmp_path / "b", namespace=namespace)
+    bridge.start()
+    try:
+        with KvEventSubscriber(bridge.pub, bridge.replay) as sub:
+            bootstrap_at(sub, state.offset)
+            assert sub.view() == state.view()
+    finally:
+        bridge.stop()
