@@ -90,11 +90,12 @@ class EpochWatch:
                     "and publishing the new log", self.epoch, current)
         return current or ""
 
-    def opened(self, epoch: str) -> None:
-        """The caller published the clear batches of ``epoch`` and restarts at offset 1."""
+    def opened(self, epoch: str, detail: str = "") -> None:
+        """The caller published the clear batches of ``epoch`` and restarts at offset 1;
+        ``detail``: why, for ``/healthz`` (default: a new epoch)."""
         self.epoch, self.is_gone = epoch, False
         self._until = self._head()
-        self._resyncing(f"re-syncing: new log epoch {epoch}, publishing it from offset 1")
+        self._resyncing(detail or f"re-syncing: new log epoch {epoch}, publishing it from offset 1")
         self.published(0)
 
     def published(self, position: int) -> None:

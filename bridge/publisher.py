@@ -11,7 +11,9 @@ again with the same seqs, which subscribers drop as duplicates.
 The log has an epoch (DESIGN 3.5), checked after every read and every ``epoch_check_s`` when
 idle: when Redis lost the log and the daemon started a new one, the bridge publishes the signal
 of bridge.epoch and then the new log from offset 1, seqs continuing; ``/healthz`` says
-re-syncing meanwhile.
+re-syncing meanwhile. A log with the same epoch that does not continue what was published (a
+failover to a replica that had not synced) is found by reading on from the record published last
+(bridge.tip) and published again the same way.
 
 The daemon trims the log behind its checkpoints (DESIGN 3.5): on a trimmed log the state starts
 from the newest usable checkpoint at or before the bridge's position, plus the records after it
@@ -50,6 +52,7 @@ from bridge.position import PositionStore, SavedPosition, resume_point
 from bridge.replay_server import ReplayPlan, SnapshotPlan
 from bridge.state import LazyState
 from bridge.streams import Streams
+from bridge.tip import TipReader
 from bridge.transcode import batch_for, is_foreign
 from events.logreader import LogReader, LogUnavailable, RawEntry
 from events.state_gc import GcPolicy
@@ -82,6 +85,8 @@ class Bridge:
         self._gc = GcPolicy(config.full_gc_interval_s)
         self._streams = Streams(config)
         self._position = 0  # last log offset published (its apply may still be pending)
+        self._tip: bytes | None = None  # the record at _position as read (None: not known)
+        self._tail = TipReader(reader, config.read_chunk)
         self._held_at = 0  # a foreign log entry the bridge waits before (0: none)
         self._events_in_chunk = 0
         self._saved_position = -1
@@ -97,6 +102,11 @@ class Bridge:
         self.gap_records = Counter(
             "kvbridge_log_gap_records", "Records trimmed from the log before the bridge read them",
             registry=self.metrics.registry,
+        )
+        # A log that went back under the same epoch (bridge.tip), published again.
+        self.rewinds = Counter(
+            "kvbridge_log_rewinds", "Times the log no longer held the record published last (same "
+            "epoch; a failover to a replica that had not synced)", registry=self.metrics.registry,
         )
 
     @property
@@ -148,7 +158,7 @@ class Bridge:
         with self._lock:
             self._state.reset()
             self._streams.reset()
-            self._position = 0
+            self._position, self._tip = 0, None
             jumped, applied = False, 0
             if first > 1:
                 resume, applied = start_state(self._checkpoints, self._state, epoch, resume, first)
@@ -158,11 +168,12 @@ class Bridge:
                 if entry[0] > applied:
                     self._state.apply_entry(entry)
                 self._streams.index(entry[0], batch_for(entry[1], self.config.layout))
-                self._position = entry[0]
+                self._position, self._tip = entry
                 if n % 1000 == 999:
                     self._gc.after_chunk()
             self._gc.after_chunk()
-            self._position = max(resume, self._position)
+            if resume > self._position:  # jumped to a checkpoint past the records read
+                self._position, self._tip = resume, None
             self._streams.rebase(saved, first, epoch, jumped)
         self._epochs.epoch = epoch
         self._started = True
@@ -184,7 +195,11 @@ class Bridge:
             return
         # With applies pending, only peek for new records: idle time goes to the state.
         block_ms = 0 if self._state.pending else self.config.poll_block_ms
-        records = self._reader.poll_raw(self._position, block_ms, self.config.read_chunk)
+        read = self._tail.read(self._position, self._tip, block_ms)
+        if read.rewound:
+            self._rewound()
+            return
+        records = read.entries
         # Read after the records: if the epoch is still ours now, they were ours.
         if (records or epochs.is_due()) and not self._check_epoch(moved_back=not records):
             return
@@ -238,7 +253,19 @@ class Bridge:
             self._open_epoch(new, None)
         return new is None and not self._epochs.is_gone
 
-    def _open_epoch(self, epoch: str, carried: dict[str, int] | None) -> None:
+    def _rewound(self) -> None:
+        """The record published last is not the log's any more, in the same epoch (bridge.tip):
+        publish the log again as a new epoch's, after its clear batches."""
+        if not self._check_epoch(moved_back=False):
+            return  # another epoch (opened) or none (awaited): not a rewind
+        log.warning("the log at offset %d is not the record published there (a failover to a "
+                    "replica that had not synced?): telling subscribers (AllBlocksCleared) and "
+                    "publishing the log again from its start, seqs continuing", self._position)
+        self.rewinds.inc()
+        self._open_epoch(self._epochs.epoch or "", None,
+                         f"re-syncing: the log went back before offset {self._position} (failover)")
+
+    def _open_epoch(self, epoch: str, carried: dict[str, int] | None, detail: str = "") -> None:
         """Publish the clear batches (bridge.epoch) and restart from offset 1; seqs continue
         (from ``carried``, the saved next seqs, at start)."""
         with self._lock:
@@ -252,8 +279,8 @@ class Bridge:
                     if self._legacy is not None:  # legacy mirror
                         self._legacy.publish_payload(stream.topic_bytes, seq, payload)
             self._state.reset()
-            self._position = 0
-        self._epochs.opened(epoch)
+            self._position, self._tip = 0, None
+        self._epochs.opened(epoch, detail)
         self._saved_position = -1
         self._save(force=True)
 
@@ -276,11 +303,11 @@ class Bridge:
         batch = batch_for(data, self.config.layout)
         if batch is None and is_foreign(offset, data):
             raise ForeignEntry(offset)
-        if offset != self._position + 1 and self._position:
+        if offset != self._position + 1:
             self._skip(offset)
         self._state.add(entry)
         stream = self._streams.index(offset, batch)
-        self._position = offset
+        self._position, self._tip = entry
         if stream is None or batch is None:
             return 0
         self._events_in_chunk += batch.num_events
