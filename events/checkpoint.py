@@ -6,7 +6,7 @@ events.logkeys: the pointer ``ckpt`` (msgpack list of complete checkpoints' ids,
 per checkpoint a :class:`Manifest` and its chunks (msgpack tuples of SourceSnapshot slices; a
 source may span chunks, :func:`join` puts it back together). Two formats:
 
-- format 2 (written now): chunks are content-addressed, ``ckpt:chunk:{address}`` with the
+- format 2 (written now): chunks (zlib-compressed msgpack) are content-addressed, ``ckpt:chunk:{address}`` with the
   address the hex blake2b-128 of the bytes, and shared by every checkpoint that lists them; the
   manifest lists the addresses in order and every source's fence (the chunks hold none, so an
   unchanged tier's chunks stay the same bytes). How a state is cut into such chunks is
@@ -26,6 +26,7 @@ holds its tail (the log's oldest record is at most O + 1): :func:`unusable` is t
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -139,8 +140,8 @@ def decode_snapshot(manifest: Manifest, datas: Sequence[object]) -> Snapshot:
         if (chunk_address(data) if v2 else xxhash.xxh3_64_intdigest(data)) != want:
             raise CheckpointBroken(f"chunk {i} checksum mismatch")
         try:
-            chunks.append(_chunk.decode(data))
-        except msgspec.DecodeError as exc:
+            chunks.append(_chunk.decode(zlib.decompress(data) if v2 else data))
+        except (msgspec.DecodeError, zlib.error) as exc:
             raise CheckpointBroken(f"chunk {i} does not decode: {exc}") from exc
     return join(manifest.offset, chunks, manifest.fences)
 

@@ -7,7 +7,8 @@ of ``Cuts.avg`` buckets, once the segment holds ``Cuts.min`` blocks, and at ``Cu
 at the latest. The boundaries are a property of the blocks, not of their positions: appends
 change only the tier's last segment (and add new ones), a removal only its own segment (and the
 next, until a boundary is met again). A segment is one chunk: a msgpack tuple with one
-SourceSnapshot of the blocks (chains merged into one event as ``CacheState.export`` does) and
+SourceSnapshot of the blocks (chains merged into one event as ``CacheState.export`` does),
+zlib-compressed (level 1: the events' field names are most of the msgpack bytes), and
 no fence (fences change with every record: they are in the manifest). A chunk is stored under
 its content address (events.checkpoint.chunk_address), so checkpoints share their unchanged
 chunks.
@@ -23,6 +24,7 @@ hashes, that is the same chunk bytes.
 from __future__ import annotations
 
 import hashlib
+import zlib
 from array import array
 from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -117,7 +119,7 @@ def encode_segment(source: str, medium: Medium, group: int, tier: Tier, keys: li
         chain, head, head_parent = [h], ev, parent
     if head is not None:
         out.append(chain_event(tier, head_parent, at, chain, medium, group))
-    return _encoder.encode((SourceSnapshot(source, 0, 0, tuple(out)),))
+    return zlib.compress(_encoder.encode((SourceSnapshot(source, 0, 0, tuple(out)),)), 1)
 
 
 TierItem = tuple[str, Medium, int, Tier]  # as CacheState.tiers yields them
