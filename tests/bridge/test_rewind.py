@@ -24,7 +24,16 @@ from events.records import RECORD_FIELD, encode_record, entry_id
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event, LogRecord
 from events.state import CacheState
 from events.subscriber import KvEventSubscriber
+from offloadd.client import IngestStream
+from tests.bridge.test_trimmed_log import (
+    CKPT_ARGS,
+    bootstrap_at,
+    daemon_state,
+    publish,
+    publish_until_trimmed,
+)
 from tests.support.bridge_proc import BridgeProcess, LogWriter
+from tests.support.offloadd_proc import DaemonProcess
 
 
 @pytest.fixture
@@ -111,7 +120,8 @@ def test_bridge_publishes_a_rewound_log_again_after_clearing(
     seen: list[tuple[int, WireBatch]] = []
     sub.on_batch(lambda seq, batch: seen.append((seq, batch)))
     try:
-        sub.replay_from(0)
+        sub.replay_from(0)  # not published yet (healthy before the first read): live or caught up
+        assert sub.run_until(lambda s: s.next_seq == 5, 10), sub.next_seq
         assert [s for s, _ in seen] == [0, 1, 2, 3, 4]
 
         # The new primary: records 1..3 as published, then another 4 and 5, and a 6.
@@ -142,3 +152,45 @@ def test_bridge_publishes_a_rewound_log_again_after_clearing(
     finally:
         sub.close()
         bridge.stop()
+
+
+def test_a_rewound_trimmed_log_is_published_again_from_its_checkpoint(
+    client: redis.Redis, redis_url: str, tmp_path: Path,
+) -> None:
+    """The daemon trimmed the log behind its checkpoints; records after the newest checkpoint
+    are replaced under the bridge: it publishes the clears, then the retained log (a gap: its
+    state is the checkpoint's once it reaches its offset) and ends with the new log's state."""
+    ns = "rwt" + uuid.uuid4().hex[:8]
+    keys = LogKeys(ns)
+    proc = DaemonProcess(tmp_path / "d", redis_url, ns, extra_args=CKPT_ARGS)
+    proc.start()
+    bridge = BridgeProcess(redis_url, tmp_path / "b", "--start", "beginning", namespace=ns)
+    bridge.start()
+    stream = IngestStream(proc.target, "gpu-engine", 3)
+    try:
+        publish(stream, 0, 200)
+        publish_until_trimmed(stream, client, keys, 200, 50)
+        daemon = daemon_state(proc).view()
+        proc.kill()  # no more checkpoints (those in Redis are at or before the head), and the
+        stream.close()  # stream's end is not logged (it would clear its source)
+        writer = LogWriter(client, ns)
+        head = writer.offset
+        for i in range(1, 6):
+            writer.append("x", [_stored(9000 + i)], source_seq=i)
+        with KvEventSubscriber(bridge.pub, bridge.replay) as sub:
+            bootstrap_at(sub, head + 5)  # published through it (seq = offset - 1)
+
+        _rewrite(client, keys, head + 2, [_record(head + i, "x", [_stored(9100 + i)]) for i in range(3, 7)])
+        want = {k: v for k, v in daemon.items() if v}
+        want[("x", "GPU", 0)] = frozenset({9001, 9002, 9103, 9104, 9105, 9106})
+        with KvEventSubscriber(bridge.pub, bridge.replay) as sub:
+            deadline = time.monotonic() + 15
+            while sub.bootstrap() is not None and {k: v for k, v in sub.view().items() if v} != want:
+                assert time.monotonic() < deadline, (sub.view().get(("x", "GPU", 0)), bridge.output()[-3000:])
+                time.sleep(0.1)
+        out = bridge.output()
+        assert "is not the record published there" in out and "after the gap" in out
+    finally:
+        bridge.stop()
+        stream.close()
+        proc.kill()
