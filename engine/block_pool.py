@@ -26,7 +26,7 @@ NULL_BLOCK_ID = 0
 """Stands in for sliding-window blocks that no query can see any more; never allocated."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     block_id: int
     ref_cnt: int = 0
@@ -85,12 +85,11 @@ class BlockPool:
         """Take a reference on prefix-cache hits, pulling free ones out of the LRU queue."""
         blocks, free_queue = self.blocks, self.free_queue
         for b in block_ids:
-            if b == NULL_BLOCK_ID:
-                continue
-            blk = blocks[b]
-            if blk.ref_cnt == 0:
-                del free_queue[b]
-            blk.ref_cnt += 1
+            if b:  # not the null block
+                blk = blocks[b]
+                if not blk.ref_cnt:
+                    del free_queue[b]
+                blk.ref_cnt += 1
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks from the front of the free queue, evicting their cached hashes."""
@@ -131,15 +130,14 @@ class BlockPool:
         the front (nothing to keep them for)."""
         blocks, free_queue = self.blocks, self.free_queue
         for b in block_ids:
-            if b == NULL_BLOCK_ID:
-                continue
-            blk = blocks[b]
-            assert blk.ref_cnt > 0, f"double free of block {b}"
-            blk.ref_cnt -= 1
-            if blk.ref_cnt == 0:
-                free_queue[b] = None
-                if blk.digest is None:
-                    free_queue.move_to_end(b, last=False)
+            if b:  # not the null block
+                blk = blocks[b]
+                assert blk.ref_cnt > 0, f"double free of block {b}"
+                blk.ref_cnt -= 1
+                if not blk.ref_cnt:
+                    free_queue[b] = None
+                    if blk.digest is None:
+                        free_queue.move_to_end(b, last=False)
 
     def cache_full_blocks(
         self,

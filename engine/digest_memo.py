@@ -5,9 +5,16 @@ A prefix hit's request is new, so its blocks used to be hashed from scratch befo
 could be matched: for a 4,096-token prompt, 256 sha256 digests (~1 ms of host time, most of a
 GPU hit's host work). A digest is a pure function of the hasher's seed, algorithm and block
 size, the parent digest and the block's tokens, so a memo of them is exact: the same digests,
-hence the same matches and events. Looking a block up costs a slice of the tokens' bytes and
-one dict probe; the first block not remembered and every block after it are hashed (in one
-call, the hasher's fast path) and remembered.
+hence the same matches and events.
+
+Two indexes of the same facts. ``_known`` maps (parent digest, a block's token bytes) to the
+digest: every fact, looked up block by block. ``_by_tokens`` maps a block's token bytes to the
+(parent, digest) stored last for them: all blocks of a prompt are looked up there in one pass
+in C (their bytes cut by numpy, ``map(dict.get)``) and the chain is checked with one list
+comparison (each block's parent is the digest found before it). Only when that fails (a
+block remembered after another parent: the same tokens elsewhere in some chain) does the
+lookup go block by block through ``_known``. The first block not remembered and every block
+after it are hashed (in one call, the hasher's fast path) and remembered.
 
 Bounded: past ``capacity`` entries the older half is dropped (insertion order), so the memo
 holds at most about the recent ``capacity`` blocks; sized from the GPU pool, it covers every
@@ -18,10 +25,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from operator import itemgetter
+from typing import cast
 
 import numpy as np
 
 from events.hashing import BlockHasher
+
+_PARENT, _DIGEST = itemgetter(0), itemgetter(1)
 
 
 class DigestMemo:
@@ -32,6 +43,9 @@ class DigestMemo:
         self.block_size = hasher.block_size
         self.capacity = max(1, capacity)
         self._known: dict[tuple[bytes | None, bytes], bytes] = {}
+        self._by_tokens: dict[bytes, tuple[bytes | None, bytes]] = {}
+        self._block = np.dtype(f"V{8 * self.block_size}")
+        """One block of int64 ids as one numpy item: ``tolist()`` makes each block's bytes."""
         self.hits = 0
         """Blocks answered from the memo (for tests and profiles)."""
 
@@ -46,29 +60,48 @@ class DigestMemo:
         if n == 0:
             return []
         try:
-            ids = np.asarray(token_ids[: n * bs], dtype=np.int64)  # an int64 array: no copy
+            ids = np.ascontiguousarray(token_ids[: n * bs], dtype=np.int64)  # an int64 array: no copy
         except OverflowError:  # no such token reaches here (ids are checked): hash as given
             return list(self.hasher.hash_blocks(token_ids, parent))
-        raw, width = ids.tobytes(), bs * 8
-        known = self._known
-        out: list[bytes] = []
-        prev = parent
-        for i in range(n):
-            digest = known.get((prev, raw[i * width : (i + 1) * width]))
-            if digest is None:
-                break
-            out.append(digest)
-            prev = digest
+        blocks: list[bytes] = ids.view(self._block).tolist()
+        out = self._remembered(blocks, parent)
         have = len(out)
         self.hits += have
         if have == n:
             return out
+        prev = out[-1] if have else parent
         rest = self.hasher.hash_blocks(ids[have * bs :], prev)
-        for i, digest in enumerate(rest, start=have):
-            known[(prev, raw[i * width : (i + 1) * width])] = digest
+        known, by_tokens = self._known, self._by_tokens
+        for block, digest in zip(blocks[have:], rest, strict=True):
+            known[(prev, block)] = digest
+            by_tokens[block] = (prev, digest)
             prev = digest
         out.extend(rest)
         if len(known) > self.capacity:
             # Drop the older half at once (removing from the front one at a time is slow).
             self._known = dict(itertools.islice(known.items(), len(known) - self.capacity // 2, None))
+            self._by_tokens = {block: (p, d) for (p, block), d in self._known.items()}
+        return out
+
+    def _remembered(self, blocks: list[bytes], parent: bytes | None) -> list[bytes]:
+        """Digests of the leading ``blocks`` the memo holds, chained after ``parent``."""
+        found = list(map(self._by_tokens.get, blocks))
+        k = found.index(None) if None in found else len(found)
+        out: list[bytes] = []
+        if k:
+            run = cast("list[tuple[bytes | None, bytes]]", found if k == len(found) else found[:k])
+            digests = list(map(_DIGEST, run))
+            parents = list(map(_PARENT, run))
+            if parents[0] == parent and parents[1:] == digests[:-1]:
+                if k == len(blocks):
+                    return digests
+                out = digests
+        prev = out[-1] if out else parent
+        known = self._known
+        for block in itertools.islice(blocks, len(out), None):
+            digest = known.get((prev, block))
+            if digest is None:
+                break
+            out.append(digest)
+            prev = digest
         return out

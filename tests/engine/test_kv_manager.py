@@ -62,3 +62,49 @@ def test_forgetting_nothing_shared_keeps_the_others() -> None:
     assert kv.forget_blocks(new, {"r1"}, [r1, r2]) == {"r1"}
     assert kv.pools[0].get_cached_block(r2.block_digests(kv.hasher, 1)[0]) is not None
     assert kv.pools[0].get_cached_block(r1.block_digests(kv.hasher, 1)[0]) is None
+
+
+def _cached_prefix(kv: KVCacheManager, tokens: list[int]) -> list[bytes]:
+    """``tokens`` computed, registered and freed: their full blocks sit cached in the free queue."""
+    r = _request("first", tokens)
+    digests = _computed(kv, r)
+    kv.register_full_blocks(r)
+    kv.free(r)
+    return digests
+
+
+def _refs(kv: KVCacheManager, ids: list[int]) -> list[int]:
+    return [kv.pools[0].blocks[b].ref_cnt for b in ids]
+
+
+def test_an_admission_takes_over_the_hold_of_its_hits() -> None:
+    """Held blocks that are the admission's hits keep the hold's one reference each (none taken
+    twice, none dropped); the free queue is as the hold left it."""
+    kv = KVCacheManager([KVCacheGroupSpec(0, "full_attention", None, (0,))], 16, BS, BlockHasher(block_size=BS))
+    digests = _cached_prefix(kv, list(range(4 * BS)))
+    held = kv.hold_blocks(digests, 4)
+    queue = list(kv.pools[0].free_queue)
+    assert _refs(kv, held[0]) == [1] * 4 and not set(held[0]) & set(queue)
+    req = _request("r", [*range(4 * BS), 9])
+    assert kv.allocate_for_admission(req, digests, 4, 0, 1, held) is not None
+    assert kv.block_table("r")[0][:4] == held[0]
+    assert _refs(kv, held[0]) == [1] * 4
+    assert list(kv.pools[0].free_queue) == queue[1:]  # only the fresh block for the last token left it
+    kv.free(req)
+    assert _refs(kv, held[0]) == [0] * 4 and kv.pools[0].num_free_blocks == 16
+
+
+def test_an_admission_releases_a_hold_that_is_not_its_hits() -> None:
+    """The hold covers 2 blocks, the admission hits 4 (more were cached meanwhile): the 4 are
+    the admission's, each referenced once; a short pool leaves the hold as it was."""
+    kv = KVCacheManager([KVCacheGroupSpec(0, "full_attention", None, (0,))], 16, BS, BlockHasher(block_size=BS))
+    digests = _cached_prefix(kv, list(range(4 * BS)))
+    held = kv.hold_blocks(digests, 2)
+    req = _request("r", [*range(4 * BS), 9])
+    assert kv.allocate_for_admission(req, digests, 4, 0, 13 * BS, held) is None  # 13 more blocks: 12 free
+    assert _refs(kv, held[0]) == [1, 1] and "r" not in kv.block_tables
+    assert kv.allocate_for_admission(req, digests, 4, 0, 1, held) is not None
+    hits = kv.block_table("r")[0][:4]
+    assert hits[:2] == held[0] and _refs(kv, hits) == [1] * 4
+    kv.free(req)
+    assert kv.pools[0].num_free_blocks == 16
