@@ -115,14 +115,23 @@ def encode_segment(source: str, medium: Medium, group: int, tier: Tier, keys: li
             chain.append(h)
             continue
         if head is not None:
-            out.append(chain_event(tier, head_parent, at, chain, medium, group))
+            out.append(_as_event(tier, head, head_parent, at, chain, medium, group))
         chain, head, head_parent = [h], ev, parent
     if head is not None:
-        out.append(chain_event(tier, head_parent, at, chain, medium, group))
+        out.append(_as_event(tier, head, head_parent, at, chain, medium, group))
     return zlib.compress(_encoder.encode((SourceSnapshot(source, 0, 0, tuple(out)),)), 1)
 
 
 TierItem = tuple[str, Medium, int, Tier]  # as CacheState.tiers yields them
+
+
+def _as_event(tier: Tier, head: BlockStored, head_parent: int | None, at: dict[int, int],
+              chain: list[int], medium: Medium, group: int) -> BlockStored:
+    """The chain's event: the stored one itself when it is exactly that one block (the common
+    single-block store: nothing rebuilt), else one built as ``CacheState.export`` does."""
+    if len(chain) == 1 and len(head.block_hashes) == 1 and head.provenance is None:
+        return head
+    return chain_event(tier, head_parent, at, chain, medium, group)
 
 
 def pieces(tiers: Iterable[TierItem], cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
