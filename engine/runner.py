@@ -36,7 +36,7 @@ from torch.nn.attention.bias import causal_lower_right
 from engine.kv_cache import KVCacheGroup, first_visible_block
 from engine.kv_connector import LayerWaits
 from engine.kv_manager import KVCacheManager
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import KVRows, LlamaForCausalLM
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_graphs import GridRow, StepGraphs
 from engine.step_inputs import StepUpload, token_positions, write_rows
@@ -76,7 +76,11 @@ class PagedAttention:
         # Row view [blocks * layers * 2 * block_size, heads, dim] for the writes.
         self.flat = [t.view(-1, *t.shape[-2:]) for t in self.caches]
 
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def kv_rows(self, layer_idx: int) -> KVRows | None:
+        return None  # written here, after this layer's loads are waited for
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor | None, v: Tensor | None) -> Tensor:
+        assert k is not None and v is not None
         if self.wait is not None:
             self.wait(layer_idx)  # this layer's loads are in place before it is read or written
         g, li = self.layer_slots[layer_idx]

@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine import grid_kernels
+from engine import grid_inputs, grid_kernels
 from engine.kv_cache import KVCacheGroup, first_visible_block
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import KVRows, LlamaForCausalLM
 from engine.offload.cuda_runtime import CudaArray
 
 
@@ -131,7 +131,8 @@ class _Entry:
 
 
 class _GridAttention:
-    """AttentionBackend for one grid step: writes each token's K/V, reads whole blocks, masks."""
+    """AttentionBackend for one grid step: writes each token's K/V (or lets the model's rope
+    kernel write them, ``kv_rows``), reads whole blocks, masks."""
 
     def __init__(
         self, groups: list[KVCacheGroup], layer_slots: dict[int, tuple[int, int]], shape: GridShape,
@@ -142,16 +143,21 @@ class _GridAttention:
         self.flat = [t.view(-1, *t.shape[-2:]) for t in self.caches]
         self.rows, self.gathers, self.hidden = rows, gathers, hidden
 
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def kv_rows(self, layer_idx: int) -> KVRows:
         g, li = self.layer_slots[layer_idx]
-        flat, rows = self.flat[g], self.rows[g]
-        flat.index_copy_(0, rows[li, 0], k)
-        flat.index_copy_(0, rows[li, 1], v)
+        return KVRows(self.flat[g], self.rows[g][li, 0], self.rows[g][li, 1])
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor | None, v: Tensor | None) -> Tensor:
+        g, li = self.layer_slots[layer_idx]
+        if k is not None and v is not None:  # else the model's rope kernel wrote them (kv_rows)
+            flat, rows = self.flat[g], self.rows[g]
+            flat.index_copy_(0, rows[li, 0], k)
+            flat.index_copy_(0, rows[li, 1], v)
         r, nq = self.shape.rows, self.shape.queries
         cache = self.caches[g]
         if grid_kernels.usable(q, cache):
             return grid_kernels.grid_attention(q, cache, li, self.gathers[g], self.hidden[g], r, nq)
-        hkv, d = k.shape[1], k.shape[2]
+        hkv, d = cache.shape[4], cache.shape[5]
         rep = q.shape[1] // hkv
         kv = cache[:, li].index_select(0, self.gathers[g])  # [R * NB, 2, bs, Hkv, D]: K and V at once
         # [2, R * Hkv, K, D] (one copy for K and V), and the queries grouped under their KV head
@@ -303,10 +309,11 @@ class StepGraphs:
         graphs = []
         graph, (x, cos, sin, attn, ends) = self._graph(lambda: self._prologue(shape, inputs))
         graphs.append(graph)
+        pending = None
         for layer in self.model.model.layers:
-            graph, x = self._graph(partial(layer, x, cos, sin, attn))
+            graph, (x, pending) = self._graph(partial(layer, x, cos, sin, attn, pending))
             graphs.append(graph)
-        graph, out = self._graph(lambda: self._epilogue(x, ends))
+        graph, out = self._graph(lambda: self._epilogue(x, pending, ends))
         graphs.append(graph)
         self.captures += 1
         return graphs, out
@@ -337,48 +344,36 @@ class StepGraphs:
 
     def _forward(self, shape: GridShape, inputs: _Inputs, wait: Callable[[int], None] | None = None) -> Tensor:
         x, cos, sin, attn, ends = self._prologue(shape, inputs)
+        pending = None
         for i, layer in enumerate(self.model.model.layers):
             if wait is not None:
                 wait(i)
-            x = layer(x, cos, sin, attn)
-        return self._epilogue(x, ends)
+            x, pending = layer(x, cos, sin, attn, pending)
+        return self._epilogue(x, pending, ends)
 
-    def _epilogue(self, x: Tensor, ends: Tensor) -> Tensor:
-        hidden = self.model.model.norm(x)
+    def _epilogue(self, x: Tensor, pending: Tensor | None, ends: Tensor) -> Tensor:
+        hidden = self.model.final_norm(x, pending)
         return self.model.compute_logits(hidden[ends]).float()
 
     def _prologue(self, shape: GridShape, inputs: _Inputs) -> tuple[Tensor, Tensor, Tensor, _GridAttention, Tensor]:
         """Masks, write rows and block gathers from the static inputs; embeddings and rope."""
-        r, q, bs = shape.rows, shape.queries, self.block_size
+        q, bs = shape.queries, self.block_size
         flat = inputs.flat()
         dev = flat.device
         ids, start, count = (inputs.part(flat, n) for n in ("ids", "start", "count"))
-        slot = torch.arange(q, device=dev)
-        q_pos = start[:, None] + slot[None, :]  # [R, Q]
-        q_valid = slot[None, :] < count[:, None]
+        q_pos = start[:, None] + torch.arange(q, device=dev)[None, :]  # [R, Q]
         rows, gathers, hidden = [], [], []
         for g, group in enumerate(self.groups):
             nb, layers = shape.blocks[g], int(group.tensor.shape[1])
             lo, gather = inputs.part(flat, f"lo{g}"), inputs.part(flat, f"gather{g}")
-            index = ((q_pos - lo[:, None]) // bs).clamp(0, nb - 1)
-            block = torch.where(q_valid, gather.view(r, nb).gather(1, index), 0)
-            base = (block * (layers * 2 * bs) + q_pos % bs).view(1, 1, -1)
-            per_layer = (torch.arange(layers, device=dev) * (2 * bs)).view(-1, 1, 1)
-            kv = (torch.arange(2, device=dev) * bs).view(1, 2, 1)  # no host tensors: capturable
-            rows.append(base + per_layer + kv)  # [L, 2, R * Q]
-            keys = torch.arange(nb * bs, device=dev)
-            kv_pos = lo[:, None, None] + keys[None, None, :]  # [R, 1, K]
-            allowed = kv_pos <= q_pos[:, :, None]
             window = group.spec.sliding_window
-            if window is not None:
-                allowed &= kv_pos > q_pos[:, :, None] - window
-            # Keys each query may not see, [R, 1, Q, K] (inverted once here, not per layer).
-            hidden.append(~torch.where(q_valid[:, :, None], allowed, keys == 0)[:, None])
+            row, hid = grid_inputs.rows_and_mask(start, count, lo, gather, q, nb, bs, layers, window)
+            rows.append(row)
+            hidden.append(hid)
             gathers.append(gather)
         attn = _GridAttention(self.groups, self.layer_slots, shape, rows, gathers, hidden)
         x, cos, sin = self.model.embed(ids, q_pos.reshape(-1))
         return x, cos, sin, attn, inputs.part(flat, "ends")
-
 
 
 def warm_up(fn: Callable[[], Any], device: torch.device) -> None:

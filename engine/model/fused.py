@@ -1,5 +1,6 @@
 """Fused elementwise kernels for CUDA (Triton): RMSNorm (with the residual add before it),
-SwiGLU's ``silu(gate) * up`` and rope.
+SwiGLU's ``silu(gate) * up`` and rope (optionally writing the rotated K and the V of each
+token into the paged cache as it goes: one launch instead of three for a grid step).
 
 Each kernel computes its eager formula in llama.py with the same roundings (float32 inside,
 rounded to the activation dtype wherever the eager ops round), in one pass over memory instead
@@ -62,8 +63,9 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, (a * u).to(dt), mask=mask)
 
     @triton.jit
-    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_x,
-                     stride_cos, stride_out, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_x, stride_cos, stride_out,
+                     v_ptr, k_rows_ptr, v_rows_ptr, cache_ptr, stride_v, stride_c, first_k, kv_heads,
+                     D: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, BLOCK_KV: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, D)[None, :]
@@ -75,7 +77,20 @@ if triton is not None:
         s = tl.load(sin_ptr + t * stride_cos + d).to(tl.float32)
         a = (x * c).to(dt).to(tl.float32)
         b = (swapped * s).to(dt).to(tl.float32)
-        tl.store(out_ptr + t * stride_out + h * D + d, (a + b).to(dt), mask=mask)
+        y = (a + b).to(dt)
+        if STORE:  # heads from first_k on are K: to the token's K row of the cache; V to its V row
+            is_k = h >= first_k
+            k_row = tl.load(k_rows_ptr + t)
+            tl.store(cache_ptr + k_row * stride_c + (h - first_k) * D + d, y, mask=mask & is_k)
+            tl.store(out_ptr + t * stride_out + h * D + d, y, mask=mask & (h < first_k))
+            if tl.program_id(1) == 0:
+                vh = tl.arange(0, BLOCK_KV)[:, None]
+                v_ok = vh < kv_heads
+                val = tl.load(v_ptr + t * stride_v + vh * D + d, mask=v_ok, other=0.0)
+                v_row = tl.load(v_rows_ptr + t)
+                tl.store(cache_ptr + v_row * stride_c + vh * D + d, val, mask=v_ok)
+        else:
+            tl.store(out_ptr + t * stride_out + h * D + d, y, mask=mask)
 
 
 def _next_pow2(n: int) -> int:
@@ -113,11 +128,31 @@ def rope_usable(x: Tensor) -> bool:
 
 def rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """``x * cos + swap_halves(x) * signed_sin`` of ``[T, H, D]`` -> contiguous ``[T, H, D]``."""
+    return _rope(x, cos, signed_sin, x.shape[1], None)
+
+
+def rope_store(qk: Tensor, cos: Tensor, signed_sin: Tensor, num_q: int, v: Tensor, cache: Tensor, k_rows: Tensor,
+               v_rows: Tensor) -> Tensor:
+    """Rope of ``qk`` (``[T, Hq + Hkv, D]``, queries first) in one kernel that also writes the
+    rotated keys and ``v`` (``[T, Hkv, D]``) to the cache: token t's K to row ``k_rows[t]`` and
+    V to ``v_rows[t]`` of ``cache`` (``[rows, Hkv, D]``, the model's dtype). Returns the
+    rotated queries ``[T, Hq, D]`` (contiguous)."""
+    d = qk.shape[-1]
+    assert cache.dtype == qk.dtype and cache.shape[1:] == v.shape[1:] and v.stride(-1) == 1 and v.stride(1) == d
+    return _rope(qk, cos, signed_sin, num_q, (v, cache, k_rows, v_rows))
+
+
+def _rope(x: Tensor, cos: Tensor, signed_sin: Tensor, out_heads: int,
+          store: tuple[Tensor, Tensor, Tensor, Tensor] | None) -> Tensor:
     t, heads, d = x.shape
-    out = x.new_empty((t, heads, d))
+    out = x.new_empty((t, out_heads, d))
     cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
     block_h = max(1, min(_next_pow2(heads), 4096 // d))
+    v, cache, k_rows, v_rows = store if store is not None else (x, x, x, x)  # unused pointers without a store
+    kv_heads = v.shape[1] if store is not None else 1
     if t:
-        _rope_kernel[(t, triton.cdiv(heads, block_h))](x, cos, signed_sin, out, heads, x.stride(0), cos.stride(0),
-                                                       out.stride(0), D=d, BLOCK_H=block_h)
+        _rope_kernel[(t, triton.cdiv(heads, block_h))](
+            x, cos, signed_sin, out, heads, x.stride(0), cos.stride(0), out.stride(0),
+            v, k_rows, v_rows, cache, v.stride(0), cache.stride(0), out_heads, kv_heads,
+            D=d, BLOCK_H=block_h, STORE=store is not None, BLOCK_KV=_next_pow2(kv_heads))
     return out

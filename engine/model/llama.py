@@ -9,7 +9,7 @@ goes through an ``AttentionBackend`` that writes to and reads from whatever cach
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,10 +19,25 @@ from engine.model import fused
 from engine.model.config import ModelConfig
 
 
+class KVRows(NamedTuple):
+    """Where one layer's new K and V go: rows of a flat ``[rows, Hkv, D]`` view of a cache."""
+
+    cache: Tensor
+    k_rows: Tensor  # [T] int64, token t's K row
+    v_rows: Tensor  # [T] int64, token t's V row
+
+
 class AttentionBackend(Protocol):
     """Attention for one layer over a flattened batch: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
 
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor | None, v: Tensor | None) -> Tensor:
+        """Write k and v to the cache (None: the model wrote them to :meth:`kv_rows`), attend."""
+        ...
+
+    def kv_rows(self, layer_idx: int) -> KVRows | None:
+        """Rows the model may write this layer's K/V to itself (rope's kernel does, as it
+        rotates, then passes ``k = v = None``); None: pass them to the call."""
+        ...
 
 
 class RMSNorm(nn.Module):
@@ -96,13 +111,20 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         t = x.shape[0]
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        k: Tensor | None
+        v: Tensor | None
         if self.qkv is not None:
             qkv = F.linear(x, *self.qkv)
             # Rope on q and k at once (the same elementwise ops on every head, half the kernels).
             qk = qkv[:, : nq + nkv].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = _rotate(qk, cos, sin, self.fused)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, nq + nkv :].view(t, self.num_kv_heads, self.head_dim)
+            rows = attn.kv_rows(self.layer_idx) if self.fused and fused.rope_usable(qk) else None
+            if rows is not None and rows.cache.dtype == qk.dtype:
+                # One kernel: rope, and the rotated K and the V written to the backend's cache.
+                q, k, v = fused.rope_store(qk, cos, sin, self.num_heads, v, *rows), None, None
+            else:
+                qk = _rotate(qk, cos, sin, self.fused)
+                q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:
             q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
             k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -142,9 +164,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), cos, sin, attn))
-        return x + self.mlp(h)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend,
+                pending: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(x, mlp_out)``: the residual stream and this layer's MLP output not yet added to it;
+        the next layer's norm (or the final one, :meth:`LlamaForCausalLM.final_norm`) adds it
+        in its own kernel. ``pending``: the previous layer's MLP output."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_forward(x, pending)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, attn))
+        return x, self.mlp(h)
 
 
 class LlamaBody(nn.Module):
@@ -183,9 +213,14 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         x, cos, sin = self.embed(input_ids, positions)
+        pending = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
-        return self.model.norm(x)
+            x, pending = layer(x, cos, sin, attn, pending)
+        return self.final_norm(x, pending)
+
+    def final_norm(self, x: Tensor, pending: Tensor | None) -> Tensor:
+        """The final norm of ``x + pending`` (the last layer's MLP output, see DecoderLayer)."""
+        return self.model.norm(x) if pending is None else self.model.norm.add_forward(x, pending)[1]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)
@@ -233,7 +268,11 @@ class DenseCausalAttention:
     def __init__(self, batch: int) -> None:
         self.batch = batch
 
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def kv_rows(self, layer_idx: int) -> KVRows | None:
+        return None  # no cache
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor | None, v: Tensor | None) -> Tensor:
+        assert k is not None and v is not None
         b = self.batch
         qb = q.view(b, -1, *q.shape[1:]).transpose(1, 2)
         kb = k.view(b, -1, *k.shape[1:]).transpose(1, 2)

@@ -229,12 +229,67 @@ def _grid_attention_case(device: str, dtype: torch.dtype, rows: int, queries: in
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "queries", "nb", "window"),
-                         [(1, 1, 256, None), (32, 1, 16, None), (3, 16, 8, 40), (5, 2, 4, None)])
+                         [(1, 1, 256, None), (1, 1, 20, None), (32, 1, 16, None), (3, 16, 8, 40), (5, 2, 4, None)])
 def test_grid_attention_kernel_matches_eager_formula(dtype: torch.dtype, rows: int, queries: int, nb: int,
                                                      window: int | None) -> None:
-    """engine.grid_kernels (one row's keys split over many programs, then merged) against the
-    grid's eager gather + two GEMMs + softmax, masks with a window and padded query slots."""
+    """engine.grid_kernels (one row's keys split over many programs, then merged, or one
+    program per row and KV head for a row of one key tile) against the grid's eager gather +
+    two GEMMs + softmax, masks with a window and padded query slots."""
     pytest.importorskip("triton")
+    from engine import grid_kernels
+
+    splits = grid_kernels.key_splits(nb * 16, rows * 2, grid_kernels._num_sms(0))[0]
+    assert (splits == 1) == (nb * 16 <= grid_kernels.BLOCK_N)  # one key tile: no merge
     out, ref, valid = _grid_attention_case("cuda", dtype, rows, queries, nb, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[valid], ref[valid], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_store_writes_what_rope_and_index_copy_write(dtype: torch.dtype) -> None:
+    """engine.model.fused.rope_store (a grid step's rope, K and V writes in one kernel): the
+    rotated queries of fused.rope, and in the cache exactly the rows two index_copy_ would
+    write (the rotated keys, the values), nothing else."""
+    pytest.importorskip("triton")
+    from engine.model import fused
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    t, hq, hkv, d = 9, 12, 4, 64
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", generator=g).to(dtype)
+    qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    angles = torch.rand(t, 1, d // 2, device="cuda", generator=g) * 100
+    cos = torch.cat((angles, angles), -1).cos().to(dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
+    rows = torch.randperm(60, device="cuda", generator=g)[: 2 * t]
+    cache = torch.randn(60, hkv, d, device="cuda", generator=g).to(dtype)
+    expected = cache.clone()
+    rotated = fused.rope(qk, cos, sin)
+    expected.index_copy_(0, rows[:t], rotated[:, hq:])
+    expected.index_copy_(0, rows[t:], v)
+    q = fused.rope_store(qk, cos, sin, hq, v, cache, rows[:t], rows[t:])
+    assert q.shape == (t, hq, d) and torch.equal(q, rotated[:, :hq])
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize(("rows", "queries", "nb", "block_size", "window"),
+                         [(1, 1, 16, 16, None), (4, 8, 8, 24, None), (3, 16, 4, 16, 40), (2, 1, 320, 16, 64)])
+def test_grid_inputs_kernel_matches_torch_formula(rows: int, queries: int, nb: int, block_size: int,
+                                                  window: int | None) -> None:
+    """The grid prologue's write rows and mask from one kernel (engine.grid_inputs on CUDA)
+    equal the torch formula's, with padding rows and query slots."""
+    pytest.importorskip("triton")
+    from engine import grid_inputs
+
+    g = torch.Generator().manual_seed(rows * 10 + queries)
+    start, count, lo = (torch.zeros(rows, dtype=torch.long) for _ in range(3))
+    gather = torch.zeros(rows * nb, dtype=torch.long)
+    for i in range(max(1, rows - 1)):  # the last row is padding (all zeros) when there are several
+        count[i] = int(torch.randint(1, queries + 1, (1,), generator=g))
+        lo[i] = int(torch.randint(0, 3, (1,), generator=g)) * block_size
+        start[i] = lo[i] + int(torch.randint(0, nb * block_size - queries, (1,), generator=g))
+        gather[i * nb : (i + 1) * nb] = torch.randint(1, 500, (nb,), generator=g)
+    args = [x.cuda() for x in (start, count, lo, gather)]
+    want = grid_inputs.formula(*args, queries, nb, block_size, 5, window)
+    got = grid_inputs.rows_and_mask(*args, queries, nb, block_size, 5, window)
+    assert torch.equal(got[0], want[0]) and got[1].dtype == torch.bool and torch.equal(got[1], want[1])
