@@ -57,10 +57,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "blocks are held from its arrival, so other requests cannot evict them meanwhile)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (by default small steps replay CUDA graphs)")
-    p.add_argument("--async-scheduling", action="store_true",
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="CUDA graphs, no offload: launch each greedy decode step before the last step's "
-                        "tokens are read, overlapping the host's work with the GPU's (not yet measured "
-                        "on a GPU: off by default)")
+                        "tokens are read, overlapping the host's work with the GPU's (on by default; --no-async-scheduling "
+                        "steps synchronously)")
     p.add_argument("--engine-id", default=None,
                    help="this engine's source name in the event log and at offloadd, unique among "
                         "live engines (default: HOSTNAME-PID)")

@@ -68,9 +68,12 @@ class EngineConfig:
     """CUDA: run every step eagerly; by default small steps replay captured CUDA graphs."""
     cuda_graph_max_tokens: int = 512
     """CUDA: largest padded step (requests x tokens per request, powers of two) run as a graph."""
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     """CUDA graphs, no offload connector: launch the next greedy decode step before the last
-    step's tokens are read (engine.step_chain). Off until measured on a GPU (DECISIONS 50)."""
+    step's tokens are read (engine.step_chain); the host's work of a step then overlaps the
+    GPU's next one (decode 1.14-1.16x as fast at batch 1, 1.26-1.51x at batch 32 on an H200,
+    two runs, DECISIONS 50).
+    Inert elsewhere (CPU, ``enforce_eager``, an offload connector: steps stay synchronous)."""
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

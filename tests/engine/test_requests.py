@@ -196,3 +196,13 @@ def test_a_prompt_is_hashed_from_its_checked_array(llm: LLM) -> None:
         engine.step()
     bs = engine.hasher.block_size
     assert req.block_digests(engine.hasher, len(prompt) // bs) == engine.hasher.hash_blocks(prompt)
+
+
+@pytest.mark.parametrize(("flags", "on"), [([], True), (["--async-scheduling"], True), (["--no-async-scheduling"], False)])
+def test_async_scheduling_is_on_unless_turned_off(plain_model: Path, flags: list[str], on: bool) -> None:
+    """kv-engine's default and both spellings of the flag reach EngineConfig."""
+    from engine.__main__ import _engine_config, _parser
+
+    assert EngineConfig(model_dir=str(plain_model)).async_scheduling
+    args = _parser().parse_args(["generate", "--model", str(plain_model), *flags, "--prompt", "hi"])
+    assert _engine_config(args).async_scheduling is on
