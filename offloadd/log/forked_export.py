@@ -26,6 +26,7 @@ import gc
 import os
 import signal
 import struct
+import time
 from collections.abc import AsyncGenerator, Container, Mapping
 from typing import Final, NoReturn
 
@@ -41,9 +42,10 @@ class ExportFailed(Exception):
 
 
 async def export_pieces(state: CacheState, cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
-                        present: Container[str], fork: bool = True) -> AsyncGenerator[Piece, None]:
+                        present: Container[str], fork: bool = True, fork_s: list[float] | None = None,
+                        ) -> AsyncGenerator[Piece, None]:
     """The state's checkpoint chunks (events.checkpoint_cut.pieces), in order; ExportFailed
-    when the export could not finish."""
+    when the export could not finish. ``fork_s`` gets how long the fork took."""
     if not fork or not hasattr(os, "fork"):
         copies = [(s, m, g, dict(t)) for s, m, g, t in state.tiers()]  # the state now, at once
         for piece in pieces(copies, cuts, known, present):
@@ -57,6 +59,7 @@ async def export_pieces(state: CacheState, cuts: Cuts, known: Mapping[bytes, tup
     gc.freeze()
     was_enabled = gc.isenabled()
     gc.disable()  # the child starts with the collector off (module docstring)
+    started = time.perf_counter()
     try:
         pid = os.fork()
         if pid == 0:
@@ -64,6 +67,8 @@ async def export_pieces(state: CacheState, cuts: Cuts, known: Mapping[bytes, tup
     finally:
         if was_enabled:
             gc.enable()  # the parent; the child never returns from _child
+    if fork_s is not None:
+        fork_s.append(time.perf_counter() - started)  # the loop's stall: page tables copied
     os.close(w)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 20, loop=loop)
