@@ -1,7 +1,7 @@
 """Reading the log on from the record published last, and noticing when that record changed.
 
 A failover can leave the bridge on a log with the same epoch that does not continue what it
-published: a replica that had not synced was promoted (DECISIONS 59; the sentinel test), and
+published: a replica that had not synced was promoted (DECISIONS 59, 62; the sentinel test), and
 records the bridge read from the node before it are not the new primary's. At an offset both
 nodes hold, the new primary has another record (a write in doubt settled either way, a resend
 at another offset); or its log ends before the bridge's position. The epoch key came along with
