@@ -76,7 +76,7 @@ class KVCacheManager:
         for pool in self.pools:
             first = min(first_visible_block(num_hit * bs, pool.sliding_window, bs), num_hit)
             cached = pool.hash_to_block
-            ids = [cached[d] for d in digests[first:num_hit]]
+            ids = list(map(cached.__getitem__, digests[first:num_hit]))
             pool.touch(ids)
             table.append(ids)
         return table
@@ -105,7 +105,7 @@ class KVCacheManager:
         for g, pool in enumerate(self.pools):
             first = min(first_visible_block(num_hit * bs, pool.sliding_window, bs), num_hit)
             cached = pool.hash_to_block
-            taken = [cached[d] for d in digests[first:num_hit]]
+            taken = list(map(cached.__getitem__, digests[first:num_hit]))  # in C
             hits = [NULL_BLOCK_ID] * first + taken if first else taken
             # None: the hold's blocks are these hits (held blocks are referenced: none reclaimable).
             release = None if held is None or held[g] == taken else held[g]

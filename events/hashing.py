@@ -10,12 +10,16 @@ agree without configuration (:func:`env_hash_seed`; a :class:`BlockHasher` built
 reads the environment as vLLM's ``init_none_hash`` does, everything else takes it explicitly). A request's extra keys per block (LoRA, cache salt, multimodal items) are built by
 :class:`events.extra_keys.RequestKeys` and hashed by :meth:`BlockHasher.hash_request`.
 
-Hashing a 4096-token prompt is on every request's path, so the common case (token ids that
-are non-negative integers below 2**64, bytes parent, no extra keys) encodes every id's
-canonical CBOR at once with numpy and slices it per block; anything else goes through cbor2. Both give
-the same bytes (tests/events/test_hashing.py checks one against the other). numpy is imported on
-the first such encoding, not with this module: the daemon and the bridge use only
-:func:`to_wire` and the algorithm names, and numpy's import was ~0.1 s of the daemon's start.
+Hashing a 4096-token prompt is on every request's path (the engine's prefix match, the
+router's prediction), so the common case (no extra keys, a bytes parent, token ids that are
+integers in [0, 2**32): every real vocabulary) has a fast path: the canonical CBOR of every
+block's ``[ids...]`` and the ``null`` after it is scattered by numpy into one buffer (each id's
+code is 1, 2, 3 or 5 bytes), then each block costs one concatenation and one digest. Anything
+else, and prompts of a few blocks (numpy's fixed cost is more than cbor2's), goes through
+cbor2. Both give the same bytes (tests/events/test_hashing.py checks one against the other).
+numpy is imported on the first such encoding, not with this module: the daemon and the bridge
+use only :func:`to_wire` and the algorithm names, and numpy's import was ~0.1 s of the
+daemon's start.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -65,19 +70,10 @@ _DIGESTS: Final[dict[HashAlgo, Callable[[bytes], BlockDigest]]] = {
     "xxh3_128_cbor": _xxh3_128,
 }
 
-@functools.cache
-def _cbor_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(arg bounds, head byte, code size, keep): an id's width class is how many of the bounds
-    it reaches: 0 (in the head), 1, 2, 4 or 8 bytes; per width class, its CBOR head byte, its
-    encoded size and which bytes of [head, 8-byte big-endian id] its canonical CBOR keeps."""
-    import numpy as np
-
-    return (
-        np.array([24, 1 << 8, 1 << 16, 1 << 32], dtype=np.uint64),
-        np.array([0, 0x18, 0x19, 0x1A, 0x1B], dtype=np.uint8),
-        np.array([1, 2, 3, 5, 9], dtype=np.int64),
-        np.array([[c == 0 or c >= 9 - n for c in range(9)] for n in (0, 1, 2, 4, 8)]),
-    )
+_FAST_ID_LIMIT: Final = 1 << 32
+"""Ids below this take the fast path (a CBOR code of at most 5 bytes); larger ones, cbor2."""
+_FAST_MIN_BLOCKS: Final = 5
+"""Fewer blocks go through cbor2 (~3 us a block): the fast path costs ~15 us at any length."""
 
 
 def canonical_cbor(value: Any) -> bytes:
@@ -94,25 +90,63 @@ def cbor_head(major: int, n: int) -> bytes:
     raise OverflowError(f"CBOR argument {n} does not fit in 64 bits")
 
 
-def _encode_ids(token_ids: Sequence[int] | np.ndarray) -> tuple[bytes, np.ndarray] | None:
-    """The canonical CBOR of every id, concatenated, and each id's encoded size; None when
-    some id is not an integer in [0, 2**64) (the caller then takes the general cbor2 path,
-    which decides what such an id means). Vectorized: a 4096-token prompt in ~0.1 ms."""
+def _int_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray | None:
+    """``token_ids`` as a 1-D integer array: an integer array as it is, a sequence packed by
+    struct in C (~30 us for 4,096 ids, what int() takes: ints, bools, numpy ints); None when
+    some id is not an integer that fits int64 (a float, a string, a bignum)."""
     import numpy as np
 
-    arg_bounds, head_byte, code_size, keep = _cbor_tables()
-    ids = token_ids if isinstance(token_ids, np.ndarray) else np.array(token_ids)
-    n = len(ids)
-    if n == 0:
-        return b"", np.zeros(0, dtype=np.int64)
-    if ids.ndim != 1 or ids.dtype.kind not in "iu" or (ids.dtype.kind == "i" and ids.min() < 0):
-        return None  # floats, strings, bools only, negatives, bignums (object arrays)
-    v = ids.astype(np.uint64, copy=False)
-    width = np.searchsorted(arg_bounds, v, side="right")
-    rows = np.empty((n, 9), dtype=np.uint8)
-    rows[:, 1:] = v.astype(">u8").view(np.uint8).reshape(n, 8)
-    rows[:, 0] = np.where(width == 0, v.astype(np.uint8), head_byte[width])
-    return rows[keep[width]].tobytes(), code_size[width]
+    if isinstance(token_ids, np.ndarray):
+        return token_ids if token_ids.ndim == 1 and token_ids.dtype.kind in "iu" else None
+    try:
+        return np.frombuffer(struct.pack(f"{len(token_ids)}q", *token_ids), dtype=np.int64)
+    except struct.error:
+        return None
+
+
+@functools.cache
+def _cbor_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(bounds, head, size, keep) by an id's width class, the number of ``bounds`` it reaches:
+    0 (the id is in the head byte), 1, 2 or 4 bytes after the head, 4 (too large here). Per
+    class: its head byte, its code size, which of the bytes [head, 8-byte big-endian id] the
+    code keeps."""
+    import numpy as np
+
+    return (
+        np.array([24, 1 << 8, 1 << 16, _FAST_ID_LIMIT], dtype=np.uint64),
+        np.array([0, 0x18, 0x19, 0x1A, 0], dtype=np.uint8),
+        np.array([1, 2, 3, 5, 0], dtype=np.int64),
+        np.array([[c == 0 or c >= 9 - n for c in range(9)] for n in (0, 1, 2, 4, 0)]),
+    )
+
+
+def _block_payloads(ids: np.ndarray, block_size: int) -> list[bytes] | None:
+    """Per full block of ``ids``, the canonical CBOR of ``[ids...]`` followed by the ``null``
+    of the extra keys: a block's CBOR after its parent's. None when some id is negative or
+    not below _FAST_ID_LIMIT. Each block is laid out at full width, [its ids' array head,
+    9 bytes an id, null], and one boolean mask keeps the bytes of every block's canonical
+    CBOR, in order: ~20 numpy calls for any length."""
+    import numpy as np
+
+    bounds, head_byte, code_size, keep = _cbor_tables()
+    n = len(ids) // block_size
+    v = ids[: n * block_size].astype(np.uint64, copy=False)  # a negative id becomes >= 2**63
+    width = np.searchsorted(bounds, v, side="right")
+    if int(width.max()) == len(bounds):
+        return None
+    lead = np.frombuffer(cbor_head(4, block_size), dtype=np.uint8)
+    span = len(lead) + 9 * block_size + 1
+    rows = np.empty((n, span), dtype=np.uint8)
+    rows[:, : len(lead)] = lead
+    rows[:, -1] = 0xF6
+    codes = rows[:, len(lead) : -1].reshape(n, block_size, 9)
+    codes[:, :, 1:] = v.astype(">u8").view(np.uint8).reshape(n, block_size, 8)
+    codes[:, :, 0] = np.where(width == 0, v, head_byte[width]).reshape(n, block_size)
+    mask = np.ones((n, span), dtype=bool)
+    mask[:, len(lead) : -1] = keep[width].reshape(n, block_size * 9)
+    flat = rows[mask].tobytes()
+    ends = np.cumsum(code_size[width].reshape(n, block_size).sum(axis=1) + len(lead) + 1).tolist()
+    return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 # Digests in: ``BlockDigest | bytes`` until the engine and offloadd hold typed digests (their
@@ -156,12 +190,7 @@ class BlockHasher:
         extra_keys: Sequence[Any] | None = None,
     ) -> BlockDigest:
         """Digest of one block given its parent's digest (None for the first block)."""
-        parent_digest = self.none_hash if parent is None else parent
-        if extra_keys is None and type(parent_digest) is bytes:
-            encoded = _encode_ids(token_ids)
-            if encoded is not None:
-                return self._chain(parent_digest, encoded[0], [len(encoded[0])], len(token_ids))[0]
-        return self._hash_general(parent_digest, token_ids, extra_keys)
+        return self._hash_general(self.none_hash if parent is None else parent, token_ids, extra_keys)
 
     def hash_blocks(
         self,
@@ -174,17 +203,26 @@ class BlockHasher:
         bs = self.block_size
         end = len(token_ids) - len(token_ids) % bs
         parent_digest = self.none_hash if parent is None else parent
-        if extra_keys is None and type(parent_digest) is bytes:
-            encoded = _encode_ids(token_ids if end == len(token_ids) else token_ids[:end])
-            if encoded is not None:
-                flat, sizes = encoded
-                ends = sizes.reshape(-1, bs).sum(axis=1).cumsum().tolist() if end else []
-                return self._chain(parent_digest, flat, ends, bs)
+        if extra_keys is None and type(parent_digest) is bytes and end >= _FAST_MIN_BLOCKS * bs:
+            ids = _int_array(token_ids if end == len(token_ids) else token_ids[:end])
+            payloads = None if ids is None else _block_payloads(ids, bs)
+            if payloads is not None:
+                return self._chain(parent_digest, payloads)
         out: list[BlockDigest] = []
         for start in range(0, end, bs):
             parent_digest = self._hash_general(parent_digest, token_ids[start : start + bs], extra_keys)
             out.append(parent_digest)
         return out
+
+    def wire_hashes(self, token_ids: Sequence[int] | np.ndarray) -> list[BlockHash]:
+        """``to_wire`` of every digest of ``hash_blocks(token_ids)``, read from all at once."""
+        digests = self.hash_blocks(token_ids)
+        if not digests:
+            return []
+        import numpy as np
+
+        words = self.digest_bytes // 8
+        return np.frombuffer(b"".join(digests), dtype=">u8")[words - 1 :: words].tolist()  # type: ignore[no-any-return]
 
     def hash_request(
         self,
@@ -231,20 +269,16 @@ class BlockHasher:
         payload = canonical_cbor([parent, [int(t) for t in token_ids], keys])
         return _DIGESTS[self.algo](payload)
 
-    def _chain(self, parent: bytes, encoded: bytes, ends: list[int], n: int) -> list[BlockDigest]:
-        """Chain over blocks of ``n`` ids whose CBOR is ``encoded[ends[i-1]:ends[i]]``:
-        [parent, [ids], null] by hand."""
+    def _chain(self, parent: bytes, payloads: list[bytes]) -> list[BlockDigest]:
+        """Chain over blocks whose CBOR after the parent is ``payloads[i]``: [parent, [ids], null]."""
         digest = _DIGESTS[self.algo]
-        join = b"".join
-        ids_head = cbor_head(4, n)
-        # Every parent after the first is one of our digests, so its head is fixed.
         head = b"\x83" + cbor_head(2, len(parent))
+        # Every parent after the first is one of our digests, so its head is fixed.
         chained = b"\x83" + cbor_head(2, self.digest_bytes)
         out: list[BlockDigest] = []
-        start = 0
-        for stop in ends:
-            parent = digest(join((head, parent, ids_head, encoded[start:stop], b"\xf6")))
-            out.append(parent)
+        append = out.append
+        for payload in payloads:
+            parent = digest(head + parent + payload)
+            append(parent)
             head = chained
-            start = stop
         return out

@@ -27,7 +27,6 @@ from events.prompt import (
 )
 from events.schema import BlockHash
 from events.tokenizer import Tokenizer, load_tokenizer
-from router.block_hashes import PromptHasher
 from router.config import RouterConfig
 from router.fleet import EngineState, Fleet
 from router.follower import Follower
@@ -83,7 +82,6 @@ class Router:
         self.truth = Truth()
         self.timings = Timings()
         self.hasher = BlockHasher(config.hash_seed, config.block_size, config.hash_algo)
-        self.prompt_hasher = PromptHasher(self.hasher)
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="router-hash")
         """Tokenizing and hashing a prompt, off the event loop (it relays the other streams)."""
         self.tokenizer: Tokenizer = load_tokenizer(config.model_dir)
@@ -110,12 +108,13 @@ class Router:
         return text if isinstance(text, list) else self.encode(text)
 
     def hashes(self, token_ids: list[int]) -> list[BlockHash]:
-        """The blocks an engine can reuse: every full block but the one holding the last token."""
+        """The blocks an engine can reuse: every full block but the one holding the last token;
+        none when an id is negative (an engine refuses such a prompt: nothing to reuse)."""
         bs = self.config.block_size
         n = max(len(token_ids) - 1, 0) // bs
-        if n == 0:
+        if n == 0 or min(token_ids) < 0:
             return []
-        return self.prompt_hasher.wire(token_ids[: n * bs])
+        return self.hasher.wire_hashes(token_ids[: n * bs])
 
     async def off_loop(self, prepare: Callable[[], list[BlockHash]], size: int) -> list[BlockHash]:
         """Run ``prepare`` (tokenize and hash a prompt of ``size`` characters or ids) on the

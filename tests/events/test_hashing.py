@@ -15,7 +15,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from events.extra_keys import MultiModalItem, RequestKeys
-from events.hashing import DEFAULT_SEED, BlockHasher, env_hash_seed, to_wire
+from events.hashing import (
+    DEFAULT_SEED,
+    BlockHasher,
+    _block_payloads,
+    _int_array,
+    env_hash_seed,
+    to_wire,
+)
 from events.schema import BlockDigest
 
 
@@ -214,3 +221,28 @@ def test_bad_multimodal_item_is_refused() -> None:
         MultiModalItem("a", 0, 0)
     with pytest.raises(ValueError, match="needs an identifier"):
         MultiModalItem("", 0, 1)
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "xxh3_128_cbor"])
+@pytest.mark.parametrize("block_size", [1, 16, 23, 24, 32])
+def test_wire_hashes_of_every_id_width(algo: str, block_size: int) -> None:
+    """The fast path (ids below 2**32: in the head, 1, 2 and 4 bytes after it; block heads of
+    one and two bytes) and what leaves it (larger ids) give cbor2's digests, and
+    ``wire_hashes`` their wire forms; lists and arrays alike, trailing partial blocks skipped."""
+    rng = np.random.default_rng(block_size)
+    hasher = BlockHasher("seed", block_size, algo)  # type: ignore[arg-type]
+    ranges = [(0, 24), (24, 256), (256, 1 << 16), (1 << 16, 1 << 32), (1 << 32, 1 << 40)]
+    for trial in range(24):
+        picks = ranges if trial % 4 == 0 else ranges[:4]  # every 4th prompt leaves the fast path
+        n = int(rng.integers(0, 9 * block_size + 3))
+        ids = [int(rng.integers(*picks[int(rng.integers(len(picks)))])) for _ in range(n)]
+        want = hasher.hash_blocks_general(ids)
+        assert hasher.hash_blocks(ids) == hasher.hash_blocks(np.array(ids, dtype=np.int64)) == want
+        assert hasher.wire_hashes(ids) == [to_wire(d) for d in want]
+    edges = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1] * block_size
+    assert hasher.hash_blocks(edges) == hasher.hash_blocks_general(edges)
+    # Which inputs the fast path takes: ids in [0, 2**32), as a list or an integer array.
+    assert _block_payloads(np.array(edges), block_size) is not None
+    assert _block_payloads(np.array([*edges[:-1], 2**32]), block_size) is None
+    assert _block_payloads(np.array([*edges[:-1], -1]), block_size) is None
+    assert _int_array([1.0, 2.0]) is None and _int_array([True, 2]).tolist() == [1, 2]  # type: ignore[list-item, union-attr]
