@@ -33,6 +33,8 @@ import numpy as np
 from events.hashing import BlockHasher
 
 _PARENT, _DIGEST = itemgetter(0), itemgetter(1)
+_ONE_PASS_MIN_BLOCKS = 4
+"""Up to this many blocks (a block filled by a decode) are looked up block by block: cheaper there."""
 
 
 class DigestMemo:
@@ -85,9 +87,9 @@ class DigestMemo:
 
     def _remembered(self, blocks: list[bytes], parent: bytes | None) -> list[bytes]:
         """Digests of the leading ``blocks`` the memo holds, chained after ``parent``."""
-        found = list(map(self._by_tokens.get, blocks))
-        k = found.index(None) if None in found else len(found)
         out: list[bytes] = []
+        found = list(map(self._by_tokens.get, blocks)) if len(blocks) > _ONE_PASS_MIN_BLOCKS else []
+        k = found.index(None) if None in found else len(found)
         if k:
             run = cast("list[tuple[bytes | None, bytes]]", found if k == len(found) else found[:k])
             digests = list(map(_DIGEST, run))
