@@ -88,6 +88,11 @@ class SlotGenerations:
         if not self.check():  # check() rewrote the whole table when the file was resized
             self._write(0, values.cast("B"))
 
+    def is_clear(self) -> bool:
+        """Every entry is 0 (in the daemon's copy): publishing 0s would change nothing."""
+        raw = self.values.cast("B")
+        return raw.tobytes() == bytes(len(raw))
+
     def __getitem__(self, slot: int) -> int:
         return int(self.values[slot])
 

@@ -28,7 +28,9 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from operator import attrgetter, itemgetter
 
 import msgspec
 from redis.exceptions import RedisError
@@ -198,26 +200,29 @@ async def _restore_blocks(store: HostStore, persisted: Persisted) -> int:
     """Insert the restorable blocks (unverified); log the removal of any the log announced but
     the projection cannot place."""
     state = store.metadata.state
-    announced: dict[int, set[int]] = {}  # group -> wire hashes the reducer says are resident
+    announced: dict[int, AbstractSet[int]] = {}  # group -> wire hashes the reducer says are resident
     for src, medium, group in state.counts():
         if src == DAEMON_SOURCE and medium == "CPU":
-            announced[group] = set(state.blocks(DAEMON_SOURCE, "CPU", group))
+            announced[group] = state.resident(DAEMON_SOURCE, "CPU", group)  # a view, not a copy
     served: dict[int, set[int]] = {}
     bad: dict[int, list[bytes]] = {}  # layout -> digests in the projection to delete
     for layout in store.all_layouts():
         group = layout.record.group_idx
         rows = persisted.blocks.get(layout.layout_id, {})
         restored, wires, refused = _slot_entries(
-            rows, announced.get(group, set()), layout.index.num_slots, store.source.next_generation)
-        served.setdefault(group, set()).update(wires)
+            rows, announced.get(group, frozenset()), layout.index.num_slots, store.source.next_generations)
+        if group in served:
+            served[group] |= wires
+        else:
+            served[group] = wires
         if refused:
             bad[layout.layout_id] = refused
         store.restore(layout, restored)
     events: list[Event] = []
     for group, hashes in sorted(announced.items()):
-        gone = hashes - served.get(group, set())
-        if gone:
-            events.append(BlockRemoved(tuple(sorted(gone)), "CPU", group))
+        have = served.get(group, set())  # a subset of hashes (_slot_entries): equal when as long
+        if len(have) < len(hashes):
+            events.append(BlockRemoved(tuple(sorted(hashes - have)), "CPU", group))
     dropped = sum(len(e.block_hashes) for e in events if isinstance(e, BlockRemoved))
     if events or bad:
         await _log_drops(store, events, bad)
@@ -227,32 +232,36 @@ async def _restore_blocks(store: HostStore, persisted: Persisted) -> int:
 
 
 def _slot_entries(
-    rows: dict[bytes, ProjectedBlock], expected: set[int], num_slots: int,
-    next_generation: Callable[[], int],
+    rows: dict[bytes, ProjectedBlock], expected: AbstractSet[int], num_slots: int,
+    next_generations: Callable[[int], range],
 ) -> tuple[dict[bytes, SlotEntry], set[int], list[bytes]]:
     """The entries to restore from one layout's projection rows (READY, unverified: bytes are
     checked after serving starts, Integrity.verify_restored, and before any Lookup or
     ReadBlocks returns the block), their wire hashes, and the rows refused: a block the log does
     not hold, a slot out of range, a slot an earlier row already claims. Checked for all rows at
-    once; only a layout with a refused row is walked row by row."""
-    wires = [int.from_bytes(digest[-8:], "big") for digest in rows]  # events.hashing.to_wire
-    slots = [pb.slot for pb in rows.values()]
+    once, each step a C loop (map, set); only a layout with a refused row is walked row by row."""
+    wires = set(map(int.from_bytes, map(_WIRE_BYTES, rows)))  # events.hashing.to_wire
+    slots = list(map(_SLOT, rows.values()))
     is_clean = (not slots or (min(slots) >= 0 and max(slots) < num_slots)) and (
-        len(set(slots)) == len(slots) and expected.issuperset(wires))
+        len(set(slots)) == len(slots) and len(wires) == len(rows) and expected >= wires)
     if not is_clean:  # rare (a crash between the log and the projection): row by row
-        return _slot_entries_checked(rows, expected, num_slots, next_generation)
+        return _slot_entries_checked(rows, expected, num_slots, next_generations)
     ready = BlockState.READY
     entries = {
         digest: SlotEntry(pb.slot, ready, pb.parent, pb.token_ids, pb.extra_keys, pb.lora_name,
-                          "", pb.checksum, 0, False, next_generation())
-        for digest, pb in rows.items()
+                          "", pb.checksum, 0, False, generation)
+        for (digest, pb), generation in zip(rows.items(), next_generations(len(rows)), strict=True)
     }
-    return entries, set(wires), []
+    return entries, wires, []
+
+
+_WIRE_BYTES = itemgetter(slice(-8, None))  # a wire hash is a digest's last 8 bytes, big-endian
+_SLOT = attrgetter("slot")
 
 
 def _slot_entries_checked(
-    rows: dict[bytes, ProjectedBlock], expected: set[int], num_slots: int,
-    next_generation: Callable[[], int],
+    rows: dict[bytes, ProjectedBlock], expected: AbstractSet[int], num_slots: int,
+    next_generations: Callable[[int], range],
 ) -> tuple[dict[bytes, SlotEntry], set[int], list[bytes]]:
     """:func:`_slot_entries`, one row at a time."""
     entries: dict[bytes, SlotEntry] = {}
@@ -267,7 +276,7 @@ def _slot_entries_checked(
             continue
         entries[digest] = SlotEntry(
             slot, BlockState.READY, pb.parent, pb.token_ids, pb.extra_keys, pb.lora_name,
-            "", pb.checksum, 0, False, next_generation(),
+            "", pb.checksum, 0, False, next_generations(1)[0],
         )
         wires.add(wire)
         used.add(slot)

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from dataclasses import dataclass
+from operator import attrgetter
 from typing import Protocol
+
+import msgspec
 
 from offloadd.tier.eviction import ArcPolicy, LruPolicy
 
@@ -28,6 +30,8 @@ class GenerationTable(Protocol):
 
     def set_many(self, items: Iterable[tuple[int, int]]) -> None: ...
 
+    def is_clear(self) -> bool: ...
+
 
 class BlockState(enum.Enum):
     RESERVED = "reserved"
@@ -35,8 +39,11 @@ class BlockState(enum.Enum):
     EVICTING = "evicting"
 
 
-@dataclass(slots=True)
-class SlotEntry:
+class SlotEntry(msgspec.Struct, gc=False):
+    """One block of the tier. A msgspec struct, not a dataclass: recovery makes 100k of them
+    (built in C, ~3x faster), and ``gc=False`` keeps them out of the collector's view (its
+    fields are bytes, str, ints and a tuple of ints: it can be in no reference cycle)."""
+
     slot: int
     state: BlockState
     parent: bytes | None
@@ -54,7 +61,7 @@ class LayoutIndex:
     def __init__(self, policy: LruPolicy | ArcPolicy, published: GenerationTable | None = None) -> None:
         self.published = published
         self.entries: dict[bytes, SlotEntry] = {}
-        self.free: list[int] = []  # popped from the end: lowest slot first
+        self._free: list[int] | None = []  # None: to be worked out from entries (free)
         self.num_slots = 0
         self.policy = policy
         self.num_ready = 0
@@ -71,7 +78,17 @@ class LayoutIndex:
         self.num_slots += n
 
     def take_free_slot(self) -> int | None:
-        return self.free.pop() if self.free else None
+        free = self.free
+        return free.pop() if free else None
+
+    @property
+    def free(self) -> list[int]:
+        """The free slots, popped from the end: lowest slot first. After a restore, the
+        slots no entry holds, worked out on first use (:meth:`rebuild_free`)."""
+        if self._free is None:
+            used = set(map(attrgetter("slot"), self.entries.values()))
+            self._free = [s for s in reversed(range(self.num_slots)) if s not in used]
+        return self._free
 
     # -- queries --------------------------------------------------------------------------
 
@@ -136,11 +153,12 @@ class LayoutIndex:
 
     def unreserve(self, digest: bytes) -> None:
         """Abort or lease expiry: the slot is free again, nothing was visible."""
+        free = self.free  # before the entry goes: a free list made after would hold its slot
         entry = self.entries.pop(digest)
         assert entry.state is BlockState.RESERVED
         self.num_reserved -= 1
         self._retract(entry.slot)
-        self.free.append(entry.slot)
+        free.append(entry.slot)
 
     def commit(self, digest: bytes, checksum: int) -> None:
         entry = self.entries[digest]
@@ -154,13 +172,20 @@ class LayoutIndex:
         self._publish(entry)
 
     def insert_ready(self, entries: dict[bytes, SlotEntry]) -> None:
-        """Recovery: committed blocks at known slots, READY (call :meth:`rebuild_free` after)."""
-        assert all(e.state is BlockState.READY for e in entries.values())
+        """Recovery: committed blocks at known slots, READY (the caller's promise: recovery
+        makes 100k of them, each checked would cost a pass), then :meth:`rebuild_free`.
+        Published with one write for all; an unverified one (every restored block) publishes
+        0, which a table still clear since it was made (a restart's) already holds."""
         self.entries.update(entries)
         self.num_ready += len(entries)
         self.policy.add_many(list(entries))
-        if self.published is not None:  # one write for all, not one per block
+        if self.published is None:
+            return
+        servable = [(e.slot, e.generation) for e in entries.values() if e.verified]
+        if len(servable) < len(entries) and not self.published.is_clear():
             self.published.set_many((e.slot, self._servable(e)) for e in entries.values())
+        elif servable:
+            self.published.set_many(servable)
 
     def mark_verified(self, digest: bytes) -> None:
         """Its bytes matched its checksum: a READY block becomes servable without asking."""
@@ -189,8 +214,14 @@ class LayoutIndex:
         self.lost.add(entry.slot)
 
     def rebuild_free(self) -> None:
-        used = {e.slot for e in self.entries.values()}
-        self.free = [s for s in reversed(range(self.num_slots)) if s not in used]
+        """Recovery: the free list is worked out again on its first use, once serving has
+        started (:meth:`settle`, or the first Reserve): ~40 ms of a restart for 100k blocks.
+        Every method that frees a slot reads ``free`` before it changes ``entries``."""
+        self._free = None
+
+    def settle(self) -> None:
+        """The free list a restore left to first use, worked out now."""
+        _ = self.free
 
     def pin(self, digest: bytes) -> None:
         entry = self.entries[digest]
@@ -242,6 +273,7 @@ class LayoutIndex:
 
     def remove(self, digest: bytes) -> SlotEntry:
         """The block left the tier (its removal is logged): free its slot."""
+        free = self.free  # before the entry goes (unreserve)
         entry = self.entries.pop(digest)
         if entry.state is BlockState.READY:
             self.num_ready -= 1
@@ -252,5 +284,5 @@ class LayoutIndex:
             self.num_pinned -= 1
         self.policy.evicted(digest)
         self._retract(entry.slot)
-        self.free.append(entry.slot)
+        free.append(entry.slot)
         return entry

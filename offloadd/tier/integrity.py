@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from itertools import repeat
 
 from offloadd.tier.index import BlockState
 from offloadd.tier.layouts import ArenaDamaged, Layout, LayoutTable
@@ -74,11 +75,14 @@ class Integrity:
         return sum(self.check_files(layout) for layout in self._layouts.by_id.values())
 
     def add_unverified(self, layout_id: int, digests: list[bytes]) -> None:
-        self._unverified.extend((layout_id, d) for d in digests)
+        self._unverified.extend(zip(repeat(layout_id), digests))
 
     async def verify_restored(self, batch: int = 2048) -> tuple[int, int]:
         """Background check of blocks restored at start and not yet looked up; returns
-        (verified, failed). Yields to the loop between batches so serving goes on."""
+        (verified, failed). Yields to the loop between batches so serving goes on. First, what
+        the restore left to first use (LayoutIndex.settle), so no request waits for it."""
+        for layout in self._layouts.by_id.values():
+            layout.index.settle()
         ok = failed = 0
         while self._unverified:
             matched: dict[int, list[bytes]] = {}  # published per layout with one write

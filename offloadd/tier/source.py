@@ -48,3 +48,9 @@ class DaemonSource:
         engine that read a slot it remembered checks the pin's answer against it."""
         self._last_generation += 1
         return self._last_generation
+
+    def next_generations(self, n: int) -> range:
+        """``n`` new generations at once (recovery's restored blocks)."""
+        first = self._last_generation + 1
+        self._last_generation += n
+        return range(first, first + n)

@@ -4,7 +4,7 @@ hold, slots out of range and a slot claimed twice are refused."""
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Callable
 
 from offloadd.log.projection import ProjectedBlock
 from offloadd.log.recovery import _slot_entries, _slot_entries_checked
@@ -15,21 +15,32 @@ def _digest(i: int) -> bytes:
     return bytes(24) + i.to_bytes(8, "big")  # wire hash = the last 8 bytes = i
 
 
+def _generations(after: int = 0) -> Callable[[int], range]:
+    """DaemonSource.next_generations over a counter that starts after ``after``."""
+    last = [after]
+
+    def take(n: int) -> range:
+        last[0] += n
+        return range(last[0] - n + 1, last[0] + 1)
+
+    return take
+
+
 def _row(slot: int) -> ProjectedBlock:
     return ProjectedBlock(slot, 0, 1000 + slot, None, (slot, slot + 1), b"", None)
 
 
 def test_clean_projection_restores_every_row_in_bulk() -> None:
     rows = {_digest(i): _row(i) for i in range(1, 6)}
-    gens = itertools.count(7)
-    entries, wires, refused = _slot_entries(rows, {1, 2, 3, 4, 5, 99}, 8, lambda: next(gens))
+    take = _generations(after=6)
+    entries, wires, refused = _slot_entries(rows, {1, 2, 3, 4, 5, 99}, 8, take)
     assert refused == []
     assert wires == {1, 2, 3, 4, 5}
     assert [e.slot for e in entries.values()] == [1, 2, 3, 4, 5]
     assert [e.generation for e in entries.values()] == [7, 8, 9, 10, 11]
     first = entries[_digest(1)]
     assert (first.state, first.verified, first.checksum, first.token_ids) == (BlockState.READY, False, 1001, (1, 2))
-    slow, slow_wires, _ = _slot_entries_checked(rows, {1, 2, 3, 4, 5, 99}, 8, lambda: next(gens))
+    slow, slow_wires, _ = _slot_entries_checked(rows, {1, 2, 3, 4, 5, 99}, 8, take)
     assert slow_wires == wires
     assert {d: (e.slot, e.checksum, e.parent, e.token_ids) for d, e in slow.items()} == {
         d: (e.slot, e.checksum, e.parent, e.token_ids) for d, e in entries.items()}
@@ -44,11 +55,11 @@ def test_rows_the_log_cannot_place_are_refused() -> None:
         _digest(5): _row(5),
         _digest(6): _row(-1),   # negative slot
     }
-    entries, wires, refused = _slot_entries(rows, {1, 2, 3, 5, 6}, 8, itertools.count(1).__next__)
+    entries, wires, refused = _slot_entries(rows, {1, 2, 3, 5, 6}, 8, _generations())
     assert set(entries) == {_digest(1), _digest(5)}
     assert wires == {1, 5}
     assert refused == [_digest(2), _digest(3), _digest(4), _digest(6)]
 
 
 def test_empty_projection() -> None:
-    assert _slot_entries({}, {1}, 8, itertools.count(1).__next__) == ({}, set(), [])
+    assert _slot_entries({}, {1}, 8, _generations()) == ({}, set(), [])

@@ -58,12 +58,42 @@ def test_index_transitions() -> None:
     assert idx.ready(b"\x00") is not None and idx.ready(b"\x00").checksum == 11
 
 
+def test_restored_index_works_out_free_slots_on_first_use() -> None:
+    """After a restore the free list is made on first use (LayoutIndex.rebuild_free): a block
+    removed or a reservation dropped before that frees its slot once, not twice."""
+    for first in ("remove", "reserve", "settle"):
+        idx = LayoutIndex(LruPolicy())
+        idx.grow(6)
+        idx.insert_ready({bytes([s]): SlotEntry(s, BlockState.READY, None, (1,), b"", None, checksum=s)
+                          for s in (1, 3, 4)})
+        idx.rebuild_free()
+        if first == "remove":
+            idx.mark_evicting(b"\x03")
+            idx.remove(b"\x03")
+            assert sorted(idx.free) == [0, 2, 3, 5]
+        elif first == "reserve":
+            slot = idx.take_free_slot()
+            assert slot == 0
+            idx.reserve(b"\x09", slot, _entry())
+            idx.unreserve(b"\x09")
+            assert sorted(idx.free) == [0, 2, 5]
+        else:
+            idx.settle()
+            assert idx.free == [5, 2, 0] and idx.num_free == 3  # lowest popped first
+        assert not set(idx.free) & {e.slot for e in idx.entries.values()}
+        assert len(set(idx.free)) == len(idx.free)
+        assert idx.choose_victims(3) == sorted(idx.entries)  # restored: all evictable
+
+
 class _ListTable(list[int]):
     """A generation table in a list (the index's side of SlotGenerations)."""
 
     def set_many(self, items: Iterable[tuple[int, int]]) -> None:
         for slot, generation in items:
             self[slot] = generation
+
+    def is_clear(self) -> bool:
+        return not any(self)
 
 
 def test_index_publishes_what_each_slot_serves() -> None:
@@ -112,7 +142,9 @@ def test_generation_table_set_many_writes_all_at_once(tmp_path: Path) -> None:
     path = generations_path(str(tmp_path / "kvd-t-L1-C{chunk}"))
     daemon = SlotGenerations.create(path, 8, 0o600, None)
     reader = SlotGenerations(path, 8)
+    assert daemon.is_clear()  # a restart's restored (unverified) blocks need no write then
     daemon.set_many([(1, 7), (6, 9), (1, 8)])
+    assert not daemon.is_clear()
     assert [reader[i] for i in range(8)] == [0, 8, 0, 0, 0, 0, 9, 0]
     os.truncate(path, 8 * GENERATION_BYTES - 8)  # another process shortened it: restored
     reader.close()
