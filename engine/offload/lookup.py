@@ -73,16 +73,30 @@ def plan_load(
     on; ``block_ids``: per group, the GPU blocks, null where the window hides the block).
     Returns per group the GPU blocks and arena slots in engine blocks, per group the offloaded
     blocks read, and the bytes moved. Raises on bad input."""
-    # In numpy: a 4096-token hit plans 256 blocks, on the host's path to its first copy.
+    # On the host's path to the first copy (a 4096-token hit plans 256 blocks): in numpy, or
+    # in plain lists when there is nothing to map.
     positions = np.arange(start, start + n)  # engine blocks from the first offloaded block on
     plan: list[GroupLoad] = []
     used: dict[int, set[int]] = {}
     nbytes = 0
     for g in groups:
         gi = g.spec.group_idx
-        ids = np.asarray(block_ids[gi][:n], dtype=np.int64)
-        if len(ids) != n:
-            raise RuntimeError(f"group {gi}: {len(ids)} block ids for a load of {n} blocks")
+        given = block_ids[gi][:n]
+        if len(given) != n:
+            raise RuntimeError(f"group {gi}: {len(given)} block ids for a load of {n} blocks")
+        if k == 1 and n and NULL_BLOCK_ID not in given:
+            # The common case, without numpy: an offloaded block is an engine block and every
+            # block loads, so the plan is the lookup's slots as they are (~5x faster at 500).
+            found = list(slots[gi][start : start + n])
+            if len(found) != n:
+                raise IndexError(f"group {gi}: {len(found)} slots for a load of {n} blocks")
+            if min(found) < 0:
+                raise RuntimeError(f"group {gi}: asked to load a block the lookup did not find")
+            used[gi] = set(range(start, start + n))
+            plan.append(GroupLoad(gi, arenas[gi], g.tensor, list(given), found))
+            nbytes += n * g.block_bytes
+            continue
+        ids = np.asarray(given, dtype=np.int64)
         # Null ids: sliding-window blocks already outside the window, left unloaded.
         keep = ids != NULL_BLOCK_ID
         pos = positions if keep.all() else positions[keep]
