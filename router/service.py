@@ -18,7 +18,7 @@ from typing import Any
 import httpx2
 from fastapi.responses import Response, StreamingResponse
 
-from events.hashing import BlockHasher
+from events.hashing import BlockHasher, int_array
 from events.prompt import (
     ChatMessage,
     ChatTemplate,
@@ -112,9 +112,12 @@ class Router:
         none when an id is negative (an engine refuses such a prompt: nothing to reuse)."""
         bs = self.config.block_size
         n = max(len(token_ids) - 1, 0) // bs
-        if n == 0 or min(token_ids) < 0:
+        if n == 0:
             return []
-        return self.hasher.wire_hashes(token_ids[: n * bs])
+        ids = int_array(token_ids[: n * bs])  # checked and hashed as one array (no second pass)
+        if ids is None:  # not all int64: hashed as given (cbor2)
+            return [] if min(token_ids) < 0 else self.hasher.wire_hashes(token_ids[: n * bs])
+        return [] if int(ids.min()) < 0 else self.hasher.wire_hashes(ids)
 
     async def off_loop(self, prepare: Callable[[], list[BlockHash]], size: int) -> list[BlockHash]:
         """Run ``prepare`` (tokenize and hash a prompt of ``size`` characters or ids) on the

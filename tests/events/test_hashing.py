@@ -19,8 +19,8 @@ from events.hashing import (
     DEFAULT_SEED,
     BlockHasher,
     _block_payloads,
-    _int_array,
     env_hash_seed,
+    int_array,
     to_wire,
 )
 from events.schema import BlockDigest
@@ -245,4 +245,4 @@ def test_wire_hashes_of_every_id_width(algo: str, block_size: int) -> None:
     assert _block_payloads(np.array(edges), block_size) is not None
     assert _block_payloads(np.array([*edges[:-1], 2**32]), block_size) is None
     assert _block_payloads(np.array([*edges[:-1], -1]), block_size) is None
-    assert _int_array([1.0, 2.0]) is None and _int_array([True, 2]).tolist() == [1, 2]  # type: ignore[list-item, union-attr]
+    assert int_array([1.0, 2.0]) is None and int_array([True, 2]).tolist() == [1, 2]  # type: ignore[list-item, union-attr]
