@@ -14,7 +14,8 @@ Hashing a 4096-token prompt is on every request's path (the engine's prefix matc
 router's prediction), so the common case (no extra keys, a bytes parent, token ids that are
 integers in [0, 2**32): every real vocabulary) has a fast path: the canonical CBOR of every
 block's ``[ids...]`` and the ``null`` after it is scattered by numpy into one buffer (each id's
-code is 1, 2, 3 or 5 bytes), then each block costs one concatenation and one digest. Anything
+code is 1, 2, 3 or 5 bytes), then each block costs one concatenation and one digest; the wire
+forms are read from all digests at once (:meth:`BlockHasher.wire_hashes`). Anything
 else, and prompts of a few blocks (numpy's fixed cost is more than cbor2's), goes through
 cbor2. Both give the same bytes (tests/events/test_hashing.py checks one against the other).
 numpy is imported on the first such encoding, not with this module: the daemon and the bridge
@@ -72,8 +73,8 @@ _DIGESTS: Final[dict[HashAlgo, Callable[[bytes], BlockDigest]]] = {
 
 _FAST_ID_LIMIT: Final = 1 << 32
 """Ids below this take the fast path (a CBOR code of at most 5 bytes); larger ones, cbor2."""
-_FAST_MIN_BLOCKS: Final = 5
-"""Fewer blocks go through cbor2 (~3 us a block): the fast path costs ~15 us at any length."""
+_FAST_MIN_BLOCKS: Final = 12
+"""Fewer blocks go through cbor2 (~3 us a block): the fast path's numpy calls cost ~40 us."""
 
 
 def canonical_cbor(value: Any) -> bytes:
@@ -104,49 +105,46 @@ def int_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray | None:
         return None
 
 
-@functools.cache
-def _cbor_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(bounds, head, size, keep) by an id's width class, the number of ``bounds`` it reaches:
-    0 (the id is in the head byte), 1, 2 or 4 bytes after the head, 4 (too large here). Per
-    class: its head byte, its code size, which of the bytes [head, 8-byte big-endian id] the
-    code keeps."""
-    import numpy as np
-
-    return (
-        np.array([24, 1 << 8, 1 << 16, _FAST_ID_LIMIT], dtype=np.uint64),
-        np.array([0, 0x18, 0x19, 0x1A, 0], dtype=np.uint8),
-        np.array([1, 2, 3, 5, 0], dtype=np.int64),
-        np.array([[c == 0 or c >= 9 - n for c in range(9)] for n in (0, 1, 2, 4, 0)]),
-    )
-
-
 def _block_payloads(ids: np.ndarray, block_size: int) -> list[bytes] | None:
     """Per full block of ``ids``, the canonical CBOR of ``[ids...]`` followed by the ``null``
     of the extra keys: a block's CBOR after its parent's. None when some id is negative or
-    not below _FAST_ID_LIMIT. Each block is laid out at full width, [its ids' array head,
-    9 bytes an id, null], and one boolean mask keeps the bytes of every block's canonical
-    CBOR, in order: ~20 numpy calls for any length."""
+    not below _FAST_ID_LIMIT. Every id's code (1, 2, 3 or 5 bytes) and every block's frame are
+    scattered by numpy into one buffer, then cut per block."""
     import numpy as np
 
-    bounds, head_byte, code_size, keep = _cbor_tables()
     n = len(ids) // block_size
-    v = ids[: n * block_size].astype(np.uint64, copy=False)  # a negative id becomes >= 2**63
-    width = np.searchsorted(bounds, v, side="right")
-    if int(width.max()) == len(bounds):
+    v = ids[: n * block_size]
+    top = int(v.max())
+    if int(v.min()) < 0 or top >= _FAST_ID_LIMIT:
         return None
-    lead = np.frombuffer(cbor_head(4, block_size), dtype=np.uint8)
-    span = len(lead) + 9 * block_size + 1
-    rows = np.empty((n, span), dtype=np.uint8)
-    rows[:, : len(lead)] = lead
-    rows[:, -1] = 0xF6
-    codes = rows[:, len(lead) : -1].reshape(n, block_size, 9)
-    codes[:, :, 1:] = v.astype(">u8").view(np.uint8).reshape(n, block_size, 8)
-    codes[:, :, 0] = np.where(width == 0, v, head_byte[width]).reshape(n, block_size)
-    mask = np.ones((n, span), dtype=bool)
-    mask[:, len(lead) : -1] = keep[width].reshape(n, block_size * 9)
-    flat = rows[mask].tobytes()
-    ends = np.cumsum(code_size[width].reshape(n, block_size).sum(axis=1) + len(lead) + 1).tolist()
-    return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    v = v.astype(np.int64, copy=False)
+    width = (v >= 24).astype(np.int64)  # 0: in the head; 1, 2, 3: 1, 2 or 4 bytes after it
+    width += v >= 1 << 8
+    sizes = width + 1
+    classes: tuple[tuple[int, int], ...] = ((1, 1), (2, 2))  # (width, bytes after the head)
+    if top >= 1 << 16:  # 4 bytes after the head: the vocabulary's upper part, if it has one
+        width += v >= 1 << 16
+        sizes = width + 1 + (width == 3)
+        classes += ((3, 4),)
+    lead = cbor_head(4, block_size)
+    frame = len(lead) + 1  # each block adds its ids' head before them and a null after them
+    per_block = sizes.reshape(n, block_size).sum(axis=1) + frame
+    block_ends = np.cumsum(per_block)
+    block_starts = block_ends - per_block
+    starts = np.cumsum(sizes) - sizes
+    starts += np.repeat(np.arange(n, dtype=np.int64) * frame + len(lead), block_size)
+    out = np.empty(int(block_ends[-1]), dtype=np.uint8)
+    for k, byte in enumerate(lead):
+        out[block_starts + k] = byte
+    out[block_ends - 1] = 0xF6
+    out[starts] = np.where(width == 0, v, 0x17 + width)
+    for cls, nbytes in classes:
+        sel = width == cls
+        at, x = starts[sel] + 1, v[sel]
+        for k in range(nbytes):
+            out[at + k] = (x >> (8 * (nbytes - 1 - k))) & 0xFF
+    flat = out.tobytes()
+    return [flat[a:b] for a, b in zip(block_starts.tolist(), block_ends.tolist(), strict=True)]
 
 
 # Digests in: ``BlockDigest | bytes`` until the engine and offloadd hold typed digests (their
