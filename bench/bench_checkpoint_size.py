@@ -27,12 +27,11 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from events.checkpoint import encode_chunk, split
-from events.checkpoint_cut import Cuts, held, pieces
+from events.checkpoint_cut import Cuts, pieces
 from events.schema import BlockRemoved, BlockStored, Event, LogRecord
 from events.state import CacheState
 
@@ -44,7 +43,6 @@ class Run:
         self.state = CacheState()
         self.seq: dict[str, int] = {}
         self.known: dict[bytes, tuple[str, int]] = {}
-        self.held: list[Any] = []
         self.present: set[str] = set()
 
     def put(self, source: str, events: tuple[Event, ...]) -> None:
@@ -58,11 +56,10 @@ class Run:
 
     def incremental(self) -> tuple[int, int, int, float]:
         t = time.process_time()
-        holding = held(self.state)
         got = list(pieces(self.state.tiers(), Cuts(), self.known, self.present))
         cpu = time.process_time() - t
         sent = sum(p.length for p in got if p.data is not None)
-        self.known, self.held = {p.fingerprint: (p.address, p.length) for p in got}, holding
+        self.known = {p.fingerprint: (p.address, p.length) for p in got}
         self.present = {p.address for p in got}  # the kept checkpoints' chunks (the newest's here)
         return sent, sum(p.length for p in got), sum(p.data is not None for p in got), cpu
 

@@ -14,8 +14,7 @@ Writing (:class:`Checkpointer`, a background task of the daemon):
    stall;
 2. the chunks are content-addressed and shared between checkpoints (format 2 of
    events.checkpoint, cut by events.checkpoint_cut, DECISIONS 60): the child re-encodes only
-   the segments that changed since the last checkpoint written (the events of that export are
-   held here, so its fingerprints stay exact), and sends bytes only for chunks the kept
+   the segments whose content fingerprint the last checkpoint written did not have, and sends bytes only for chunks the kept
    checkpoints do not list; those are written to ``ckpt:chunk:{address}`` as they arrive.
    A checkpoint thus costs Redis what changed, not the state;
 3. one script checks that every chunk the manifest lists exists, writes the manifest (offset,
@@ -59,7 +58,7 @@ from events.checkpoint import (
     join,
     split,
 )
-from events.checkpoint_cut import Cuts, fences, held
+from events.checkpoint_cut import Cuts, fences
 from offloadd.config import OffloaddConfig
 from offloadd.log.checkpoint_load import CheckpointMissing, get_key, load, pointer_ids, restore
 from offloadd.log.checkpoint_store import CheckpointFailed, CheckpointStore
@@ -118,10 +117,8 @@ class Checkpointer:
         self.fork = True  # export in a forked child (offloadd.log.forked_export); False: in the loop
         self.store = CheckpointStore(md, epoch)
         self._pointer: bytes | None = None  # the pointer as last read or written
-        # The last written checkpoint's segments (fingerprint -> address, length) and every event
-        # its export saw, held so the fingerprints stay exact (events.checkpoint_cut).
+        # The last written checkpoint's segments: fingerprint -> address, length (events.checkpoint_cut).
         self._known: dict[bytes, tuple[str, int]] = {}
-        self._held: list[Any] = []
 
     async def run(self) -> None:
         cfg = self.config
@@ -193,10 +190,7 @@ class Checkpointer:
         state = self.md.state
         offset = state.offset  # no await from here to the fork in export_pieces
         ckpt_id = checkpoint_id(self.epoch, offset)
-        started = time.perf_counter()
-        sources, holding = fences(state), held(state)
-        held_s = time.perf_counter() - started
-        fork_s: list[float] = []
+        sources, fork_s = fences(state), list[float]()
         addresses: list[str] = []
         segments: dict[bytes, tuple[str, int]] = {}
         batch: dict[str, bytes] = {}
@@ -233,13 +227,13 @@ class Checkpointer:
             raise
         self._pointer = pointer
         self.store.listed[ckpt_id] = frozenset(addresses)
-        self._known, self._held = segments, holding
+        self._known = segments
         self._note(manifest)
         self.stats.num_written += 1
         self.stats.bytes_sent = sent
         log.info("checkpoint %s written: offset %d, %d chunks, %d bytes; %d bytes new "
-                 "(the loop held its events in %.1f ms, forked in %.1f ms)", ckpt_id, offset,
-                 len(addresses), manifest.num_bytes, sent, held_s * 1e3, sum(fork_s) * 1e3)
+                 "(forked in %.1f ms)", ckpt_id, offset, len(addresses), manifest.num_bytes, sent,
+                 sum(fork_s) * 1e3)
         await self.store.sweep(kept)
         return manifest
 

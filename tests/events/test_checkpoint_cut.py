@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from events.checkpoint import CheckpointBroken, Manifest, chunk_keys, decode_snapshot
-from events.checkpoint_cut import Cuts, Piece, fences, held, pieces, segments
+from events.checkpoint_cut import Cuts, Piece, fences, pieces, segments
 from events.logkeys import LogKeys
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event, LogRecord
 from events.state import CacheState
@@ -35,22 +35,20 @@ def stored(hashes: Sequence[int], medium: str = "GPU", parent: int | None = None
 
 
 class Exporter:
-    """What the daemon's Checkpointer does around ``pieces``: known fingerprints, the events
-    held for them, the addresses Redis holds (here: a dict)."""
+    """What the daemon's Checkpointer does around ``pieces``: known fingerprints, the
+    addresses Redis holds (here: a dict)."""
 
     def __init__(self, state: CacheState) -> None:
         self.state = state
         self.known: dict[bytes, tuple[str, int]] = {}
-        self.held: list[list[BlockStored]] = []
         self.store: dict[str, bytes] = {}
 
     def export(self) -> tuple[list[Piece], Manifest]:
-        holding = held(self.state)
         got = list(pieces(self.state.tiers(), CUTS, self.known, self.store))
         for p in got:
             if p.data is not None:
                 self.store[p.address] = p.data
-        self.known, self.held = {p.fingerprint: (p.address, p.length) for p in got}, holding
+        self.known = {p.fingerprint: (p.address, p.length) for p in got}
         manifest = Manifest("x", self.state.offset, "e", 0.0, (0,), 0, 2,
                             tuple(p.address for p in got), fences(self.state))
         return got, manifest
@@ -110,7 +108,7 @@ def test_a_removal_changes_only_its_own_segment() -> None:
 
 def test_blocks_removed_and_stored_again_at_the_same_place_are_re_encoded() -> None:
     """The tail's blocks removed and stored again with other tokens: same hashes, same
-    positions, same counts; the fingerprint still tells (the old events are held)."""
+    positions, same counts; the fingerprint still tells (it is of the content)."""
     log = Log()
     for i in range(100):
         log.put("a", stored([i + 1], tok=1))
