@@ -45,9 +45,13 @@ def test_checkpoint_write_failing_midway_keeps_the_previous_one(
         publish(stream, 0, 200)
         wait_checkpoint(admin, keys, head(admin, keys))
         # The next checkpoint's chunks get written, then its manifest key is of the wrong type:
-        # the swap is refused and the pointer stays on the previous checkpoint.
-        doomed = checkpoint_id(log_epoch(admin, keys), head(admin, keys) + 100)
-        admin.rpush(keys.checkpoint_manifest(doomed), "not a manifest")
+        # the swap is refused and the pointer stays on the previous checkpoint. The key is
+        # planted at every offset the 100 records bring (a slow machine checkpoints while they
+        # arrive), so each checkpoint meanwhile is refused as well.
+        now, epoch = head(admin, keys), log_epoch(admin, keys)
+        for offset in range(now + 1, now + 101):
+            admin.rpush(keys.checkpoint_manifest(checkpoint_id(epoch, offset)), "not a manifest")
+        doomed = checkpoint_id(epoch, now + 100)
         publish(stream, 200, 100)
         deadline = time.monotonic() + 10
         while b"WRONGTYPE" not in proc.log_path.read_bytes() and time.monotonic() < deadline:
