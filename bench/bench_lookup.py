@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_offloadd import health_floor, server_side_us  # noqa: E402
+from bench.stage_times import StageTimes  # noqa: E402
 from offloadd.client import GroupQuery, GroupSpec, OffloadClient  # noqa: E402
 from tests.support.offloadd_proc import DaemonProcess  # noqa: E402
 from tests.support.redis_proc import RedisProcess  # noqa: E402
@@ -123,24 +124,15 @@ def cpu_hit(daemon: DaemonProcess, workdir: Path, prompt_len: int, iters: int, s
               num_gpu_blocks=prompt_len // BLOCK * 2 + 16, max_num_batched_tokens=prompt_len + 64,
               max_model_len=prompt_len + 64)
     engine_thread = threading.get_ident()
-    spent: dict[str, float] = {}
-
-    def timed(name: str, fn: Any) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                label = name if name != "rpc" else ("lookup_rpc_engine" if threading.get_ident() == engine_thread
-                                                    else "touch_rpc")
-                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
-        return run
+    times = StageTimes()
+    spent = times.spent
 
     targets = [(conn, "lookup"), (conn, "load"), (conn, "check_loads"), (conn, "store"), (conn, "finish_loads"),
                (conn, "step_done")]
     for obj, name in targets:
-        setattr(obj, name, timed(name, getattr(obj, name)))
-    conn.client.lookup = timed("rpc", conn.client.lookup)  # type: ignore[method-assign]
+        times.wrap(obj, name)
+    times.wrap(conn.client, "lookup",
+               lambda: "lookup_rpc_engine" if threading.get_ident() == engine_thread else "touch_rpc")
     params = SamplingParams(max_tokens=1, temperature=0.0)
     # Prompts of its own per mode: each is computed cold by this engine, not by the other's.
     rng = random.Random(prompt_len * 2 + speculate)

@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.dense_forward import time_dense  # noqa: E402
+from bench.stage_times import StageTimes  # noqa: E402
 from engine.offload.config import COPY_MODES  # noqa: E402
 from engine.offload.copies import ArenaBlocks  # noqa: E402
 from engine.offload.cuda_runtime import (  # noqa: E402
@@ -286,20 +287,10 @@ def _breakdown(llm: Any, conn: Any, prompt: list[int], params: Any, reps: int = 
                (e.runner, "execute"), (e.connector, "store"), (e.connector, "take_layer_waits"), (e.connector, "step_done"),
                (e, "_append_token"), (e, "_flush_events"),
                (e.kv, "register_full_blocks"), (e.scheduler, "schedule")]
-    spent: dict[str, float] = {}
-
-    def timed(name: str, fn: Any) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
-        return run
-
+    times = StageTimes()
+    spent = times.spent
     for obj, name in targets:
-        label = f"{name}_rpc" if obj is e.connector.client else name
-        setattr(obj, name, timed(label, getattr(obj, name)))
+        times.wrap(obj, name, f"{name}_rpc" if obj is e.connector.client else name)
     out: dict[str, dict[str, float]] = {}
     rng = random.Random(len(prompt))
     rows: dict[str, dict[str, list[float]]] = {"cold": {}, "gpu_hit": {}, "cpu_hit": {}}

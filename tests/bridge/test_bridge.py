@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,6 @@ from events.state import CacheState
 from events.subscriber import KvEventSubscriber, SubscriberError
 from tests.support.bridge_proc import BridgeProcess, FleetSimulator, LogWriter
 from tests.support.redis_proc import RedisProcess
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
 
 
 def _full_state(records: list[LogRecord]) -> CacheState:

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
-import pytest
 import redis
 import zmq
 
@@ -26,13 +24,6 @@ from events.subscriber import KvEventSubscriber
 from tests.events.vllm_schema import LegacyBatch
 from tests.support.bridge_proc import BridgeProcess, LogWriter
 from tests.support.redis_proc import free_port
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
 
 
 def _stored(h: int) -> BlockStored:

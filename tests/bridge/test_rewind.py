@@ -10,10 +10,9 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-import pytest
 import redis
 
 from bridge.tip import TipReader
@@ -21,10 +20,11 @@ from events.codec_vllm import WireBatch
 from events.logkeys import LogKeys
 from events.logreader import LogReader
 from events.records import RECORD_FIELD, encode_record, entry_id
-from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event, LogRecord
-from events.state import CacheState
+from events.schema import AllBlocksCleared, BlockRemoved, Event, LogRecord
 from events.subscriber import KvEventSubscriber
 from offloadd.client import IngestStream
+from tests.bridge.test_bridge import _full_state
+from tests.bridge.test_epoch import _stored
 from tests.bridge.test_trimmed_log import (
     CKPT_ARGS,
     bootstrap_at,
@@ -34,17 +34,6 @@ from tests.bridge.test_trimmed_log import (
 )
 from tests.support.bridge_proc import BridgeProcess, LogWriter
 from tests.support.offloadd_proc import DaemonProcess
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
-
-
-def _stored(h: int) -> BlockStored:
-    return BlockStored((h,), None, (1, 2, 3, 4), 4, "GPU")
 
 
 def _record(offset: int, source: str, events: Sequence[Event]) -> LogRecord:
@@ -63,13 +52,6 @@ def _rewrite(client: redis.Redis, keys: LogKeys, keep: int, after: Sequence[LogR
         pipe.xadd(keys.log, {RECORD_FIELD: encode_record(r)}, id=entry_id(r.offset))
     pipe.set(keys.head, after[-1].offset if after else keep)
     pipe.execute()
-
-
-def _state(records: Sequence[LogRecord]) -> CacheState:
-    state = CacheState()
-    for r in records:
-        state.apply(r)
-    return state
 
 
 def test_tip_reader_tells_a_rewound_log_from_a_continued_or_trimmed_one(client: redis.Redis) -> None:
@@ -130,7 +112,7 @@ def test_bridge_publishes_a_rewound_log_again_after_clearing(
                  _record(6, "e0", [_stored(206)])]
         _rewrite(client, keys, 3, after)
         new_log = LogReader(client, keys).read_range(1)
-        want = _state(new_log)
+        want = _full_state(new_log)
         assert sub.run_until(lambda s: s.state.view() == want.view(), 10), (
             sub.state.view(), bridge.output()[-2000:])
         assert sub.run_until(lambda s: s.next_seq == 13, 5), sub.next_seq
