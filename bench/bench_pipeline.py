@@ -184,8 +184,10 @@ def run_pipeline(work: Path, streams: list[list[tuple[Event, ...]]],
                                        daemon.log_path.read_text(errors="replace"))]
     forks_ms = [float(a) for a in re.findall(r"\(forked in ([\d.]+) ms\)",
                                              daemon.log_path.read_text(errors="replace"))]
+    cut = [int(b) for b in re.findall(r" bytes new; (\d+) blocks cut", daemon.log_path.read_text(errors="replace"))]
     return {"batches": n, "block_events": total, "applied": applied, **got,
-            "checkpoint_fork_ms_max": max(forks_ms, default=None),
+            "checkpoint_fork_ms_max": max(forks_ms, default=None), "checkpoint_forks": len(forks_ms),
+            "checkpoint_blocks_cut_max": max(cut, default=None),
             "checkpoints": len(written), "checkpoint_bytes_max": max(written, default=0),
             "checkpoint_bytes_total": sum(written),
             "checkpoint_bytes_sent_total": sum(sent) if sent else sum(written), "redis": stalls,

@@ -344,7 +344,8 @@ def run_cost(work: Path, cpu_blocks: int, rounds: int, rate: float, scale: float
                                                        "block_events_per_s", "checkpoints",
                                                        "checkpoint_bytes_max", "checkpoint_bytes_total",
                                                        "checkpoint_bytes_sent_total",
-                                                       "checkpoint_fork_ms_max", "redis")})
+                                                       "checkpoint_fork_ms_max", "checkpoint_forks",
+                                                       "checkpoint_blocks_cut_max", "redis")})
             print(f"{mode}: {out[mode][-1]}", file=sys.stderr)
     p99 = {m: statistics.median(r["p99_ms"] for r in rows) for m, rows in out.items()}
     return {"block_events_per_s_paced": rate, "batches": len(batches[0]),

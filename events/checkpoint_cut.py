@@ -67,12 +67,14 @@ class Cuts:
 @dataclass(frozen=True)
 class Piece:
     """One chunk of a checkpoint, in order: its address and length, the fingerprint of the
-    segment it holds, and its bytes unless Redis holds them already (``data`` None)."""
+    segment it holds, its bytes unless Redis holds them already (``data`` None), and where the
+    segment ends in its tier (a position in insertion order; the tier's length for its last)."""
 
     address: str
     length: int
     fingerprint: bytes
     data: bytes | None
+    end: int = 0
 
 
 def segments(keys: list[int], cuts: Cuts) -> Iterator[tuple[int, int]]:
@@ -147,22 +149,30 @@ def _as_event(tier: Tier, head: BlockStored, head_parent: int | None, at: dict[i
 
 def pieces(tiers: Iterable[TierItem], cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
            present: Container[str]) -> Iterator[Piece]:
-    """The chunks of ``tiers`` (``CacheState.tiers()``, or copies of them), in order.
-    ``known``: fingerprint -> (address, length) of segments exported before; ``present``:
-    addresses Redis holds (no bytes are produced for those)."""
+    """The chunks of ``tiers`` (``CacheState.tiers()``, or copies of them), in order, every
+    block cut. ``known``: fingerprint -> (address, length) of segments exported before;
+    ``present``: addresses Redis holds (no bytes are produced for those)."""
     for source, medium, group, tier in tiers:
-        keys = list(tier)
-        values = list(tier.values())
-        for start, end in segments(keys, cuts):
-            part = keys[start:end]
-            fp = fingerprint(source, medium, group, part, values[start:end])
-            hit = known.get(fp)
-            if hit is not None:
-                yield Piece(hit[0], hit[1], fp, None)
-                continue
-            data = encode_segment(source, medium, group, tier, part)
-            address = chunk_address(data)
-            yield Piece(address, len(data), fp, None if address in present else data)
+        yield from cut_tail(source, medium, group, 0, list(tier), list(tier.values()), cuts, known,
+                            present)
+
+
+def cut_tail(source: str, medium: Medium, group: int, start: int, keys: list[int],
+             values: list[BlockStored], cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
+             present: Container[str]) -> Iterator[Piece]:
+    """The chunks of one tier's blocks from position ``start`` on (``keys`` and ``values``
+    from there to its end), ``start`` a segment's start: the segments from there are the
+    whole tier's from there, since a boundary depends only on the blocks since the last one."""
+    for a, b in segments(keys, cuts):
+        part, events = keys[a:b], values[a:b]
+        fp = fingerprint(source, medium, group, part, events)
+        hit = known.get(fp)
+        if hit is not None and hit[0] in present:
+            yield Piece(hit[0], hit[1], fp, None, start + b)
+            continue
+        data = encode_segment(source, medium, group, dict(zip(part, events, strict=True)), part)
+        address = chunk_address(data)
+        yield Piece(address, len(data), fp, None if address in present else data, start + b)
 
 
 def fences(state: CacheState) -> tuple[tuple[str, int, int], ...]:

@@ -8,7 +8,7 @@ log is recorded as a :class:`Violation` so that replays can report it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, KeysView, Mapping, Sequence
+from collections.abc import Iterable, Iterator, KeysView, Mapping, Sequence
 from types import MappingProxyType
 from typing import Final
 
@@ -76,6 +76,8 @@ class CacheState:
         self._offset = 0
         self._tiers: dict[str, dict[TierKey, Tier]] = {}
         self._fences: dict[str, tuple[int, int]] = {}
+        # Per source and tier, changes other than appends (events.state_apply; :meth:`edits`).
+        self._edits: dict[str, dict[TierKey, int]] = {}
         self.violations: list[Violation] = []
 
     @property
@@ -109,7 +111,10 @@ class CacheState:
         tiers = self._tiers.get(source)
         if tiers is None:
             tiers = self._tiers[source] = {}
-        apply_events(tiers, record.events, offset, source, self._violate)
+        edits = self._edits.get(source)
+        if edits is None:
+            edits = self._edits[source] = {}
+        apply_events(tiers, record.events, offset, source, self._violate, edits)
         return ApplyResult.APPLIED
 
     def _fence(self, record: LogRecord) -> ApplyResult:
@@ -127,6 +132,7 @@ class CacheState:
             # A new incarnation starts from nothing; the first fence seen for a source clears
             # nothing (its earlier blocks, if any, came unfenced and stay).
             if known is not None:
+                self._bump(source, self._tiers.get(source, {}))
                 self._tiers[source] = {}
             if seq != 1:
                 self._violate(
@@ -147,6 +153,11 @@ class CacheState:
                 )
         self._fences[source] = (inc, seq)
         return ApplyResult.APPLIED
+
+    def _bump(self, source: str, keys: Iterable[TierKey]) -> None:
+        edits = self._edits.setdefault(source, {})
+        for key in keys:
+            edits[key] = edits.get(key, 0) + 1
 
     def _violate(self, offset: int, source: str, kind: str, detail: str) -> None:
         self.violations.append(Violation(offset, source, kind, detail))
@@ -212,6 +223,15 @@ class CacheState:
         """The canonical content: comparable across states built in different ways."""
         return {(s, m, g): frozenset(t) for s, m, g, t in self._iter_tiers() if t}
 
+    def edits(self, source: str, medium: Medium, group_idx: int = 0) -> int:
+        """A count that moves whenever the tier changes other than by blocks appended at its end
+        (in insertion order): a block removed or stored again, the tier cleared or replaced (a
+        new incarnation, :meth:`restore`). Two reads with one count between them, the second
+        tier at least as long: the second is the first with blocks appended (what an
+        incremental checkpoint relies on, events.checkpoint_cut). One bump per event, not per
+        block, on the apply path."""
+        return self._edits.get(source, {}).get((medium, group_idx), 0)
+
     def tiers(self) -> Iterator[tuple[str, Medium, int, Tier]]:
         """``(source, medium, group_idx, tier)`` for each tier, sources sorted; each tier is the
         live dict (block hash -> the event that stored it, in insertion order), READ ONLY: for
@@ -262,6 +282,8 @@ class CacheState:
             for event in src.events:
                 validate_event(event)
                 store(tiers.setdefault((event.medium, event.group_idx), {}), event)
+        for source in self._tiers.keys() | tiers_of.keys():  # every tier is replaced
+            self._bump(source, self._tiers.get(source, {}).keys() | tiers_of.get(source, {}).keys())
         self._offset, self._tiers, self._fences = snap.offset, tiers_of, fences
 
     def __eq__(self, other: object) -> bool:

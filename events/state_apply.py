@@ -29,8 +29,16 @@ Violate = Callable[[int, str, str, str], None]  # (offset, source, kind, detail)
 
 
 def apply_events(
-    tiers: dict[TierKey, Tier], events: Iterable[Event], offset: int, source: str, violate: Violate
+    tiers: dict[TierKey, Tier],
+    events: Iterable[Event],
+    offset: int,
+    source: str,
+    violate: Violate,
+    edits: dict[TierKey, int],
 ) -> None:
+    """Apply ``events`` to one source's ``tiers``. ``edits`` counts, per tier, the changes that
+    are not blocks appended at its end (a removal, a hash stored again, the tier cleared): one
+    bump per event, never per block (CacheState.edits)."""
     for event in events:
         if type(event) is BlockStored:
             hashes = event.block_hashes
@@ -55,13 +63,17 @@ def apply_events(
                         ok = False
                         break
             if ok:
-                tier = tiers.get((medium, group))
+                key = (medium, group)
+                tier = tiers.get(key)
                 if tier is None:
-                    tier = tiers[(medium, group)] = {}
+                    tier = tiers[key] = {}
                 if parent is not None and medium == "GPU" and parent not in tier:
                     _orphan(violate, offset, source, event)
+                before = len(tier)
                 for h in hashes:
                     tier[h] = event
+                if len(tier) - before != n:  # a hash stored again: changed in place
+                    edits[key] = edits.get(key, 0) + 1
                 continue
         elif type(event) is BlockRemoved:
             hashes = event.block_hashes
@@ -74,13 +86,18 @@ def apply_events(
                         ok = False
                         break
             if ok:
-                _remove(tiers, event, offset, source, violate)
+                _remove(tiers, event, offset, source, violate, edits)
                 continue
-        _apply_checked(tiers, event, offset, source, violate)
+        _apply_checked(tiers, event, offset, source, violate, edits)
 
 
 def _apply_checked(
-    tiers: dict[TierKey, Tier], event: Event, offset: int, source: str, violate: Violate
+    tiers: dict[TierKey, Tier],
+    event: Event,
+    offset: int,
+    source: str,
+    violate: Violate,
+    edits: dict[TierKey, int],
 ) -> None:
     """The general path: any event type (subclasses included), validated first."""
     try:
@@ -91,17 +108,22 @@ def _apply_checked(
         violate(offset, source, "invalid_event", str(exc))
         return
     if isinstance(event, BlockStored):
-        tier = tiers.setdefault((event.medium, event.group_idx), {})
+        key = (event.medium, event.group_idx)
+        tier = tiers.setdefault(key, {})
         parent = event.parent_block_hash
         if event.medium == "GPU" and parent is not None and parent not in tier:
             _orphan(violate, offset, source, event)
+        before = len(tier)
         for h in event.block_hashes:
             tier[h] = event
+        if len(tier) - before != len(event.block_hashes):
+            edits[key] = edits.get(key, 0) + 1
     elif isinstance(event, BlockRemoved):
-        _remove(tiers, event, offset, source, violate)
+        _remove(tiers, event, offset, source, violate, edits)
     else:
         for key in [k for k in tiers if event.medium is None or k[0] == event.medium]:
             del tiers[key]
+            edits[key] = edits.get(key, 0) + 1
 
 
 def _orphan(violate: Violate, offset: int, source: str, event: BlockStored) -> None:
@@ -116,9 +138,19 @@ def _orphan(violate: Violate, offset: int, source: str, event: BlockStored) -> N
 
 
 def _remove(
-    tiers: dict[TierKey, Tier], event: BlockRemoved, offset: int, source: str, violate: Violate
+    tiers: dict[TierKey, Tier],
+    event: BlockRemoved,
+    offset: int,
+    source: str,
+    violate: Violate,
+    edits: dict[TierKey, int],
 ) -> None:
-    tier = tiers.get((event.medium, event.group_idx), {})
+    key = (event.medium, event.group_idx)
+    tier = tiers.get(key)
+    if tier is None:
+        tier = {}
+    elif tier:
+        edits[key] = edits.get(key, 0) + 1  # a hole (or none: counted anyway, once per event)
     for h in event.block_hashes:
         if tier.pop(h, None) is None:  # stored values are events, never None
             violate(

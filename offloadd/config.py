@@ -121,6 +121,11 @@ class OffloaddConfig:
     since the last one (offloadd.log.checkpoint); recovery replays only the log after it."""
     checkpoint_records: int = 25_000
     """... and as soon as this many records were appended since the last checkpoint."""
+    checkpoint_fork_blocks: int = 250_000
+    """A checkpoint cuts only what changed since the previous one when a tier only grew, else
+    the whole tier; up to this many blocks to cut, it cuts them in the event loop in ~1 ms
+    slices (~1 us of CPU each), more in a forked child (a fork stalls the loop ~15 ms at 1M
+    blocks resident). 0: always fork."""
     full_gc_interval_s: float = 600.0
     """What is alive leaves the garbage collector's view four times a second (gc.freeze: no
     pauses that walk the whole state); a full collection, a pause of that size, runs this often
@@ -186,7 +191,7 @@ class OffloaddConfig:
             raise ConfigError("checkpoint_interval_s and checkpoint_records: must be > 0")
         if not self.full_gc_interval_s > 0:
             raise ConfigError(f"full_gc_interval_s: must be > 0, got {self.full_gc_interval_s}")
-        for name in ("retention_records", "retention_s", "retention_bytes"):
+        for name in ("retention_records", "retention_s", "retention_bytes", "checkpoint_fork_blocks"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         try:

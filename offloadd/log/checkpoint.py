@@ -9,14 +9,18 @@ not copied here (a copy as of O would only be older than the keys recovery reads
 Writing (:class:`Checkpointer`, a background task of the daemon):
 
 1. the snapshot is the reducer's state at its offset O (records reach the reducer only once the
-   log holds them, so the state at O is what the log holds up to O), cut into chunks by a
-   forked child from its copy-on-write copy (offloadd.log.forked_export), so the loop does not
-   stall;
+   log holds them, so the state at O is what the log holds up to O): of a tier that only grew
+   since the previous checkpoint, only the blocks from that one's last segment on are cut
+   again (events.checkpoint_delta), copied at O and cut in the loop in ~1 ms slices; when
+   more than ``checkpoint_fork_blocks`` are to be cut (a tier with removals is cut whole), a
+   forked child cuts them from its copy-on-write copy (offloadd.log.forked_export, DECISIONS
+   65);
 2. the chunks are content-addressed and shared between checkpoints (format 2 of
-   events.checkpoint, cut by events.checkpoint_cut, DECISIONS 60): the child re-encodes only
-   the segments whose content fingerprint the last checkpoint written did not have, and sends bytes only for chunks the kept
-   checkpoints do not list; those are written to ``ckpt:chunk:{address}`` as they arrive.
-   A checkpoint thus costs Redis what changed, not the state;
+   events.checkpoint, cut by events.checkpoint_cut, DECISIONS 60): a tier cut whole re-encodes
+   only the segments whose content fingerprint the last checkpoint written did not have; bytes
+   are produced only for chunks the kept checkpoints do not list, and written to
+   ``ckpt:chunk:{address}`` as they arrive. A checkpoint thus costs Redis, and the export's
+   CPU, what changed, not the state;
 3. one script checks that every chunk the manifest lists exists, writes the manifest (offset,
    epoch, fences, the chunks' addresses) and swaps the pointer ``ckpt`` (ids of the complete
    checkpoints, newest first), after checking the owner lease and that the pointer is the one
@@ -59,6 +63,7 @@ from events.checkpoint import (
     split,
 )
 from events.checkpoint_cut import Cuts, fences
+from events.checkpoint_delta import CutBook, tails
 from offloadd.config import OffloaddConfig
 from offloadd.log.checkpoint_load import CheckpointMissing, get_key, load, pointer_ids, restore
 from offloadd.log.checkpoint_store import CheckpointFailed, CheckpointStore
@@ -81,6 +86,8 @@ class CheckpointStats:
     log_length: int = 0
     num_written: int = 0
     bytes_sent: int = 0  # the newest checkpoint's new chunks: what writing it cost Redis
+    blocks_cut: int = 0  # the blocks the newest checkpoint's export cut (the rest reused as cut)
+    forked: bool = False  # whether that export ran in a forked child (else in the loop)
     num_failed: int = 0
     num_trimmed: int = 0
 
@@ -114,11 +121,12 @@ class Checkpointer:
         self.stats = CheckpointStats()
         self.cuts = Cuts()
         self.batch_bytes = 1 << 20  # new chunks' bytes per script call
-        self.fork = True  # export in a forked child (offloadd.log.forked_export); False: in the loop
+        self.fork = True  # large exports in a forked child (offloadd.log.forked_export); False: in the loop
+        self.fork_blocks = config.checkpoint_fork_blocks  # more blocks to cut than this: forked
         self.store = CheckpointStore(md, epoch)
         self._pointer: bytes | None = None  # the pointer as last read or written
-        # The last written checkpoint's segments: fingerprint -> address, length (events.checkpoint_cut).
-        self._known: dict[bytes, tuple[str, int]] = {}
+        # The last written checkpoint's cut, per tier (events.checkpoint_delta).
+        self._book = CutBook()
 
     async def run(self) -> None:
         cfg = self.config
@@ -186,23 +194,30 @@ class Checkpointer:
             present = await self.store.present(pointer_ids(self._pointer))
         except RedisUnavailable as exc:
             raise CheckpointFailed(str(exc)) from exc
-        known = {fp: hit for fp, hit in self._known.items() if hit[0] in present}
+        book = self._book
+        known = book.known(present)
         state = self.md.state
-        offset = state.offset  # no await from here to the fork in export_pieces
+        offset = state.offset  # no await from here to the copy or the fork in export_pieces
         ckpt_id = checkpoint_id(self.epoch, offset)
         sources, fork_s = fences(state), list[float]()
+        parts = tails(state, book.cuts, present, copy=False)
+        todo = sum(p.todo for p in parts)
+        fork = fork and todo > self.fork_blocks
+        book.begin(parts)
         addresses: list[str] = []
-        segments: dict[bytes, tuple[str, int]] = {}
         batch: dict[str, bytes] = {}
         size = sent = 0
-        # The state at exactly `offset`: a forked child's copy (offloadd.log.forked_export), taken
-        # before this coroutine yields again.
-        chunks = export_pieces(state, self.cuts, known, present, fork, fork_s)
+        # The state at exactly `offset`: copied, or a forked child's copy, before this coroutine
+        # yields again (offloadd.log.forked_export).
+        chunks = export_pieces(parts, self.cuts, known, present, fork, fork_s)
         try:
             async with contextlib.aclosing(chunks):
                 async for piece in chunks:
+                    try:
+                        book.add(piece)
+                    except ValueError as exc:
+                        raise ExportFailed(str(exc)) from exc
                     addresses.append(piece.address)
-                    segments[piece.fingerprint] = (piece.address, piece.length)
                     size += piece.length
                     if piece.data is not None and piece.address not in present:
                         present.add(piece.address)
@@ -211,7 +226,8 @@ class Checkpointer:
                         if sum(map(len, batch.values())) >= self.batch_bytes:
                             await self.store.write(batch)
             await self.store.write(batch)
-        except ExportFailed as exc:
+            book.check()  # every tier's blocks came: the previous cut once the swap is done
+        except (ExportFailed, ValueError) as exc:
             raise CheckpointFailed(str(exc)) from exc
         manifest = Manifest(ckpt_id, offset, self.epoch, time.time(), (0,), size, FORMAT,
                             tuple(addresses), sources)
@@ -227,13 +243,14 @@ class Checkpointer:
             raise
         self._pointer = pointer
         self.store.listed[ckpt_id] = frozenset(addresses)
-        self._known = segments
+        book.commit()
         self._note(manifest)
         self.stats.num_written += 1
         self.stats.bytes_sent = sent
-        log.info("checkpoint %s written: offset %d, %d chunks, %d bytes; %d bytes new "
-                 "(forked in %.1f ms)", ckpt_id, offset, len(addresses), manifest.num_bytes, sent,
-                 sum(fork_s) * 1e3)
+        self.stats.blocks_cut, self.stats.forked = todo, fork
+        log.info("checkpoint %s written: offset %d, %d chunks, %d bytes; %d bytes new; %d blocks "
+                 "cut %s", ckpt_id, offset, len(addresses), manifest.num_bytes, sent, todo,
+                 f"(forked in {sum(fork_s) * 1e3:.1f} ms)" if fork else "in the loop")
         await self.store.sweep(kept)
         return manifest
 

@@ -1,15 +1,19 @@
-"""A checkpoint's chunks cut by a forked child, as Redis's BGSAVE does (DECISIONS 39, 51, 60).
+"""A checkpoint's chunks cut in the loop in slices, or by a forked child as Redis's BGSAVE does
+(DECISIONS 39, 51, 60, 65).
 
-Cutting the reducer's state into chunks (events.checkpoint_cut) walks every resident block;
-done on the daemon's event loop it stalls every request and stream. ``fork()`` instead gives a
-child an exact copy of the state at this instant (copy-on-write: the parent keeps applying
-records at once); the child cuts it, encodes the chunks whose segments changed since the
-export the parent still holds the events of (``known``), and streams one frame per chunk
-through a pipe, ``[kind, address, fingerprint, length]`` then the bytes unless Redis holds them
-already (``present``), ended by a done frame; then it exits with ``os._exit`` (no atexit, no
-finalizers, no asyncio, no gRPC in the child). The parent only reads frames and writes new
-chunks to Redis. A child that dies or writes a torn stream fails the checkpoint (the previous
-one stays in force). Without ``os.fork`` the export runs in the loop, yielding between chunks.
+An export cuts the blocks events.checkpoint_delta planned (``parts``: what changed since the
+previous export, or whole tiers). Few blocks (the common case: what was appended since the
+previous checkpoint) are copied at once (C speed, from each tier's end) and cut in the event
+loop, yielding to it after each ~1 ms of work: no fork, whose page-table copy stalls the loop
+longer than such a copy (DECISIONS 65). Many (a tier with removals is cut whole) go to a forked
+child: ``fork()`` gives it an exact copy of the state at this instant (copy-on-write: the parent
+keeps applying records at once); the child cuts it, encodes the chunks whose segments are not
+in ``known``, and streams one frame per chunk through a pipe, ``[kind, address, fingerprint,
+length, end]`` then the bytes unless Redis holds them already (``present``), ended by a done
+frame; then it exits with ``os._exit`` (no atexit, no finalizers, no asyncio, no gRPC in the
+child). The parent only reads frames and writes new chunks to Redis. A child that dies or
+writes a torn stream fails the checkpoint (the previous one stays in force). Without
+``os.fork`` every export runs in the loop.
 
 The child must run nothing of the parent's but this module's loop: gRPC core's fork handlers
 are off in the daemon's process (set in ``offloadd/__init__`` before grpc loads; on, they
@@ -30,10 +34,11 @@ import time
 from collections.abc import AsyncGenerator, Container, Mapping
 from typing import Final, NoReturn
 
-from events.checkpoint_cut import Cuts, Piece, pieces
-from events.state import CacheState
+from events.checkpoint_cut import Cuts, Piece
+from events.checkpoint_delta import TierTail, cut_tails
 
-_FRAME: Final = struct.Struct("<B16s16sQ")  # kind, address, fingerprint, chunk length
+_FRAME: Final = struct.Struct("<B16s16sQQ")  # kind, address, fingerprint, chunk length, end
+_SLICE_S: Final = 0.001  # in the loop: the work between two yields to it
 _REF, _DATA, _DONE = 0, 1, 2  # kinds: a chunk Redis holds; one whose bytes follow; the end
 
 
@@ -41,16 +46,22 @@ class ExportFailed(Exception):
     """The child did not deliver every chunk (it died, or the stream was torn)."""
 
 
-async def export_pieces(state: CacheState, cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
+async def export_pieces(parts: list[TierTail], cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
                         present: Container[str], fork: bool = True, fork_s: list[float] | None = None,
                         ) -> AsyncGenerator[Piece, None]:
-    """The state's checkpoint chunks (events.checkpoint_cut.pieces), in order; ExportFailed
-    when the export could not finish. ``fork_s`` gets how long the fork took."""
+    """The chunks of ``parts`` (events.checkpoint_delta.tails of the state now, taken with no
+    await since), in order; ExportFailed when the export could not finish. ``fork``: in a
+    forked child (else in the loop; ``parts`` left uncopied are copied at once). ``fork_s``
+    gets how long the fork took."""
     if not fork or not hasattr(os, "fork"):
-        copies = [(s, m, g, dict(t)) for s, m, g, t in state.tiers()]  # the state now, at once
-        for piece in pieces(copies, cuts, known, present):
+        parts = [p if p.live is None else p.copied() for p in parts]  # the state now, at once
+        loop = asyncio.get_running_loop()
+        since = loop.time()
+        for piece in cut_tails(parts, cuts, known, present):
             yield piece
-            await asyncio.sleep(0)
+            if loop.time() - since >= _SLICE_S:
+                await asyncio.sleep(0)
+                since = loop.time()
         return
     r, w = os.pipe()
     # What is alive now leaves the collector's view (as recovery's state does, and kv-bridge's
@@ -63,7 +74,7 @@ async def export_pieces(state: CacheState, cuts: Cuts, known: Mapping[bytes, tup
     try:
         pid = os.fork()
         if pid == 0:
-            _child(state, (cuts, known, present), r, w)
+            _child(parts, (cuts, known, present), r, w)
     finally:
         if was_enabled:
             gc.enable()  # the parent; the child never returns from _child
@@ -78,14 +89,14 @@ async def export_pieces(state: CacheState, cuts: Cuts, known: Mapping[bytes, tup
     try:
         while True:
             try:
-                kind, address, fp, length = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+                kind, address, fp, length, end = _FRAME.unpack(await reader.readexactly(_FRAME.size))
                 if kind == _DONE:
                     done = True
                     break
                 data = await reader.readexactly(length) if kind == _DATA else None
             except asyncio.IncompleteReadError:
                 break
-            yield Piece(address.hex(), length, fp, data)
+            yield Piece(address.hex(), length, fp, data, end)
     finally:
         transport.close()
         if not done:
@@ -100,7 +111,7 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)  # our own child: a reader that stopped wants no more
 
 
-def _child(state: CacheState, args: tuple[Cuts, Mapping[bytes, tuple[str, int]], Container[str]],
+def _child(parts: list[TierTail], args: tuple[Cuts, Mapping[bytes, tuple[str, int]], Container[str]],
            r: int, w: int) -> NoReturn:
     code = 1
     try:
@@ -111,12 +122,13 @@ def _child(state: CacheState, args: tuple[Cuts, Mapping[bytes, tuple[str, int]],
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
         with open(w, "wb", closefd=True) as out:
-            for piece in pieces(state.tiers(), *args):
+            for piece in cut_tails(parts, *args):
                 kind = _REF if piece.data is None else _DATA
-                out.write(_FRAME.pack(kind, bytes.fromhex(piece.address), piece.fingerprint, piece.length))
+                out.write(_FRAME.pack(kind, bytes.fromhex(piece.address), piece.fingerprint,
+                                      piece.length, piece.end))
                 if piece.data is not None:
                     out.write(piece.data)
-            out.write(_FRAME.pack(_DONE, b"", b"", 0))
+            out.write(_FRAME.pack(_DONE, b"", b"", 0, 0))
         code = 0
     finally:
         os._exit(code)

@@ -16,6 +16,7 @@ import sys
 
 from events.checkpoint import Manifest, decode_snapshot
 from events.checkpoint_cut import Cuts, fences
+from events.checkpoint_delta import tails
 from events.schema import BlockStored, LogRecord
 from events.state import CacheState
 from offloadd.log.forked_export import ExportFailed, export_pieces
@@ -55,7 +56,8 @@ async def _run(num_exports: int) -> dict[str, object]:
     want = CacheState.from_snapshot(state.export())
     for i in range(num_exports):
         try:
-            chunks = [c async for c in export_pieces(state, Cuts(500, 1, 500), {}, set())]
+            parts = tails(state, {}, set(), copy=False)
+            chunks = [c async for c in export_pieces(parts, Cuts(500, 1, 500), {}, set())]
         except ExportFailed as exc:
             failed.append(f"export {i}: {exc}")
             continue

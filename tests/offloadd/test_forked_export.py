@@ -17,6 +17,7 @@ import pytest
 
 from events.checkpoint import Manifest, decode_snapshot
 from events.checkpoint_cut import Cuts, Piece, fences
+from events.checkpoint_delta import tails
 from events.schema import BlockStored, LogRecord
 from events.state import CacheState
 from offloadd.log.forked_export import ExportFailed, export_pieces
@@ -39,18 +40,20 @@ def test_the_chunks_are_the_state_at_the_start_while_the_parent_moves_on(fork: b
 
     async def run() -> list[Piece]:
         got = []
-        async for chunk in export_pieces(state, Cuts(500, 1, 500), {}, set(), fork):
+        parts = tails(state, {}, set(), copy=False)
+        async for chunk in export_pieces(parts, Cuts(500, 1, 500), {}, set(), fork):
             got.append(chunk)
-            if fork:  # the parent applies more records meanwhile; the child's copy is as of the fork
-                n = state.offset + 1
-                state.apply(LogRecord(n, "engine-a", 1, n, 0.0, (BlockStored((n,), None, (1, 2), 2, "GPU"),)))
+            # The parent applies more records meanwhile; the export is of the state at its start
+            # (the child's copy, or the blocks copied before the first chunk).
+            n = state.offset + 1
+            state.apply(LogRecord(n, "engine-a", 1, n, 0.0, (BlockStored((n,), None, (1, 2), 2, "GPU"),)))
         return got
 
     chunks = asyncio.run(run())
     assert len(chunks) == 6
     manifest = Manifest("x", want.offset, "e", 0.0, (0,), 0, 2, tuple(c.address for c in chunks), sources)
     assert CacheState.from_snapshot(decode_snapshot(manifest, [c.data for c in chunks])) == want
-    assert state.offset == (3006 if fork else 3000)
+    assert state.offset == 3006
 
 
 def _children() -> list[int]:
@@ -67,7 +70,8 @@ def test_a_child_killed_midway_fails_the_export() -> None:
 
     async def run() -> int:
         n = 0
-        async for _ in export_pieces(_state(20_000), Cuts(100, 1, 100), {}, set()):
+        parts = tails(_state(20_000), {}, set(), copy=False)
+        async for _ in export_pieces(parts, Cuts(100, 1, 100), {}, set()):
             n += 1
             if n == 1:
                 for child in set(_children()) - before:
@@ -111,7 +115,8 @@ def test_a_serving_daemon_forks_fifty_exports_and_no_child_dies(tmp_path: Path, 
     """The real daemon, a checkpoint every 50 ms while an engine streams GPU-tier batches and a
     storer stores through gRPC: 50 forked exports written, not one fell back to the loop."""
     daemon = DaemonProcess(tmp_path / "d", redis_url, "forks", extra_args=(
-        "--checkpoint-interval-s", "0.05", "--checkpoint-records", "1000000"))
+        "--checkpoint-interval-s", "0.05", "--checkpoint-records", "1000000",
+        "--checkpoint-fork-blocks", "0"))
     daemon.start()
     pub = SyntheticPublisher(daemon.target, "forks-gpu", pause_s=0.002, max_resident=2000).start()
     storer = SyntheticStorer(daemon.target, "forks-store", chain_len=4, pause_s=0.01).start()
