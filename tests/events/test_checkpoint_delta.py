@@ -1,0 +1,157 @@
+"""A checkpoint that cuts only what changed (events.checkpoint_delta): after any mix of changes
+its chunks are exactly those of a full cut of the same state, and a tier that only grew is cut
+from its previous last segment on, not from its start."""
+
+from __future__ import annotations
+
+import random
+
+from events.checkpoint import Manifest, decode_snapshot
+from events.checkpoint_cut import Piece, fences, pieces
+from events.checkpoint_delta import CutBook, cut_tails, tails
+from events.schema import AllBlocksCleared, BlockRemoved
+from events.state import CacheState
+from tests.events.test_checkpoint_cut import CUTS, Log, stored
+
+
+class Delta:
+    """What the daemon's Checkpointer does around the delta cut: the book of the previous cut,
+    the addresses Redis holds (here: a dict)."""
+
+    def __init__(self, state: CacheState) -> None:
+        self.state = state
+        self.book = CutBook()
+        self.store: dict[str, bytes] = {}
+        self.cut = 0  # blocks the last export cut
+
+    def export(self) -> list[Piece]:
+        parts = tails(self.state, self.book.cuts, self.store)
+        self.cut = sum(p.todo for p in parts)
+        self.book.begin(parts)
+        got = []
+        for piece in cut_tails(parts, CUTS, self.book.known(self.store), self.store):
+            self.book.add(piece)
+            got.append(piece)
+            if piece.data is not None:
+                self.store[piece.address] = piece.data
+        self.book.commit()
+        return got
+
+    def check(self) -> list[Piece]:
+        """Export; assert it is the full cut of the state now and loads back to the state."""
+        got = self.export()
+        full = list(pieces(self.state.tiers(), CUTS, {}, set()))
+        assert [p.address for p in got] == [p.address for p in full]
+        assert [p.end for p in got] == [p.end for p in full]
+        manifest = Manifest("x", self.state.offset, "e", 0.0, (0,), 0, 2,
+                            tuple(p.address for p in got), fences(self.state))
+        back = CacheState.from_snapshot(decode_snapshot(manifest, [self.store[p.address] for p in got]))
+        assert back == self.state
+        return got
+
+
+def grow(log: Log, source: str, first: int, n: int, medium: str = "GPU", group: int = 0) -> None:
+    for h in range(first, first + n):
+        log.put(source, stored([h], medium, tok=h, group=group))
+
+
+def test_appends_cut_only_the_last_segment_on() -> None:
+    log = Log()
+    grow(log, "a", 1, 500)
+    grow(log, "a", 10_000, 300, "CPU")
+    d = Delta(log.state)
+    d.check()
+    assert d.cut == 800
+    edits = log.state.edits("a", "GPU")
+    grow(log, "a", 501, 20)  # only the GPU tier grew
+    d.check()
+    assert log.state.edits("a", "GPU") == edits  # appends do not count
+    assert 20 < d.cut <= 20 + CUTS.max  # the previous last GPU segment and what follows it
+    d.check()
+    assert d.cut <= 2 * CUTS.max  # nothing new: each tier's last segment only
+
+
+def test_every_other_change_cuts_the_tier_whole_and_stays_exact() -> None:
+    log = Log()
+    grow(log, "a", 1, 400)
+    grow(log, "b", 1, 100)
+    d = Delta(log.state)
+    d.check()
+    steps = [
+        ("a removal in the middle", lambda: log.put("a", BlockRemoved((200,), "GPU"))),
+        ("a hash stored again", lambda: log.put("a", stored([100], tok=7))),
+        ("a removal of the last block", lambda: log.put("a", BlockRemoved((400,), "GPU"))),
+        ("a new tier", lambda: grow(log, "a", 5000, 50, "CPU")),
+        ("a new group", lambda: grow(log, "a", 7000, 50, group=1)),
+        ("a tier emptied", lambda: log.put("b", BlockRemoved(tuple(range(1, 101)), "GPU"))),
+        ("the emptied tier grows", lambda: grow(log, "b", 200, 30)),
+        ("AllBlocksCleared of one medium", lambda: log.put("a", AllBlocksCleared("CPU"))),
+        ("the cleared tier again", lambda: grow(log, "a", 5000, 10, "CPU")),
+        ("a new incarnation", lambda: log.put("b", stored([1]), inc=2)),
+    ]
+    for what, change in steps:
+        before = {(s, m, g): log.state.edits(s, m, g) for s, m, g, _ in log.state.tiers()}
+        change()
+        changed = [t for t, n in before.items() if log.state.edits(*t) != n]
+        d.check()
+        if what not in ("a new tier", "a new group", "the emptied tier grows", "the cleared tier again"):
+            assert changed, what  # the count moved
+        grow(log, "a", 20_000 + 100 * steps.index((what, change)), 5)  # then appends again
+        d.check()
+
+
+def test_a_restore_counts_as_a_change_of_every_tier() -> None:
+    log = Log()
+    grow(log, "a", 1, 200)
+    d = Delta(log.state)
+    d.check()
+    other = Log()
+    grow(other, "a", 1, 150)  # a prefix of the same tier: only a count can tell it apart
+    grow(other, "a", 900, 80)
+    edits = log.state.edits("a", "GPU")
+    log.state.restore(other.state.export())
+    assert log.state.edits("a", "GPU") != edits
+    d.check()
+    assert d.cut == 230
+
+
+def test_a_lost_chunk_of_the_kept_pieces_cuts_its_tier_whole() -> None:
+    log = Log()
+    grow(log, "a", 1, 300)
+    d = Delta(log.state)
+    first = d.check()
+    del d.store[first[0].address]  # Redis lost it: the kept pieces are not all there
+    grow(log, "a", 301, 5)
+    got = d.check()
+    assert d.cut == 305 and got[0].data is not None
+
+
+def test_random_changes_stay_exact() -> None:
+    rng = random.Random(7)
+    log = Log()
+    d = Delta(log.state)
+    resident: dict[tuple[str, str], list[int]] = {}
+    next_hash, partial = 1, 0
+    for _ in range(60):
+        for _ in range(rng.randint(1, 4)):
+            source, medium = rng.choice(["a", "b"]), rng.choice(["GPU", "CPU"])
+            have = resident.setdefault((source, medium), [])
+            kind = rng.random()
+            if kind < 0.6 or not have:
+                n = rng.randint(1, 40)
+                log.put(source, stored(range(next_hash, next_hash + n), medium, tok=next_hash))
+                have.extend(range(next_hash, next_hash + n))
+                next_hash += n
+            elif kind < 0.85:
+                gone = rng.sample(have, min(len(have), rng.randint(1, 5)))
+                log.put(source, BlockRemoved(tuple(gone), medium))  # type: ignore[arg-type]
+                have[:] = [h for h in have if h not in gone]
+            elif kind < 0.95:
+                again = rng.choice(have)
+                log.put(source, stored([again], medium, tok=rng.randint(1, 99)))
+            else:
+                log.put(source, AllBlocksCleared(medium))  # type: ignore[arg-type]
+                have.clear()
+        d.check()
+        partial += d.cut < sum(log.state.counts().values())
+    assert partial > 10  # many of them cut only a part

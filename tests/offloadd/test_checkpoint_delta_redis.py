@@ -1,0 +1,72 @@
+"""The daemon's checkpoints cut only what was appended (events.checkpoint_delta) on a real
+Redis: in the loop or in a forked child, each checkpoint lists exactly the chunks of a full cut
+of the state at its offset, recovery from it is the state, and a checkpoint that failed between
+two leaves the previous in force and the next one exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from events.checkpoint_cut import pieces
+from events.schema import BlockRemoved, BlockStored
+from offloadd.log.checkpoint import CheckpointFailed, Manifest
+from tests.offloadd.test_checkpoint_incremental import Rig, scenario
+
+
+def full_cut(rig: Rig) -> list[str]:
+    return [p.address for p in pieces(rig.md.state.tiers(), rig.cp.cuts, {}, set())]
+
+
+async def written(rig: Rig) -> Manifest:
+    manifest = await rig.cp.write()
+    assert manifest is not None
+    assert list(manifest.chunks) == full_cut(rig)  # nothing applied since: the same instant
+    return manifest
+
+
+@pytest.mark.parametrize("forked", [False, True])
+def test_appends_are_cut_alone_and_recovery_is_the_state(redis_url: str, namespace: str,
+                                                         forked: bool) -> None:
+    async def body(rig: Rig) -> None:
+        rig.cp.fork_blocks = 0 if forked else 1_000_000
+        await rig.store(0, 2000)
+        await rig.put(BlockStored((50_000, 50_001), None, (1, 2, 3, 4), 2, "CPU"))
+        await written(rig)
+        assert rig.cp.stats.blocks_cut == 2002 and rig.cp.stats.forked == forked
+        for round_ in range(3):
+            await rig.store(2000 + 40 * round_, 40)
+            await written(rig)
+            assert 40 < rig.cp.stats.blocks_cut <= 40 + 2 * rig.cp.cuts.max  # not 2000
+            assert rig.cp.stats.forked == forked
+            assert await rig.restored() == rig.md.state
+        await rig.put(BlockRemoved((1000,), "GPU"))  # a hole: that tier is cut whole, though
+        await rig.store(9000, 60)  # it is longer than it was
+        await written(rig)
+        assert rig.cp.stats.blocks_cut > 2000
+        assert await rig.restored() == rig.md.state
+
+    scenario(redis_url, namespace, body)
+
+
+def test_a_failed_checkpoint_between_two_leaves_the_next_exact(redis_url: str, namespace: str) -> None:
+    async def body(rig: Rig) -> None:
+        await rig.store(0, 1000)
+        first = await written(rig)
+        await rig.store(1000, 40)
+        # A chunk the kept checkpoint lists (and the next one reuses as it was) is lost: the
+        # swap refuses, the first checkpoint stays in force.
+        await rig.client.delete(rig.keys.checkpoint_content(first.chunks[0]))
+        with pytest.raises(CheckpointFailed, match="is gone"):
+            await rig.cp.write()
+        assert (await rig.kept())[0].ckpt_id == first.ckpt_id
+        await rig.store(1040, 40)
+        await written(rig)  # the lost chunk's tier cut whole again, every chunk written
+        assert rig.cp.stats.blocks_cut == 1080
+        listed = {rig.keys.checkpoint_content(a) for m in await rig.kept() for a in m.chunks}
+        assert await rig.chunk_keys() >= listed
+        await rig.store(1080, 10)
+        await written(rig)
+        assert rig.cp.stats.blocks_cut < 1000  # and incremental again
+        assert await rig.restored() == rig.md.state
+
+    scenario(redis_url, namespace, body)
