@@ -69,6 +69,12 @@ def apply_events(
                     tier = tiers[key] = {}
                 if parent is not None and medium == "GPU" and parent not in tier:
                     _orphan(violate, offset, source, event)
+                if n == 1:  # vLLM's common event: one check, no loop
+                    h = hashes[0]
+                    if h in tier:  # stored again: changed in place
+                        edits[key] = edits.get(key, 0) + 1
+                    tier[h] = event
+                    continue
                 before = len(tier)
                 for h in hashes:
                     tier[h] = event
