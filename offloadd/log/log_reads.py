@@ -87,22 +87,62 @@ class LogReads:
                                f"{self.repair_hint()}")
         return RedisUnavailable(f"Redis unreachable: {exc}")
 
-    async def iter_log(self, page: int = 2000, start: int = 1) -> AsyncIterator[list[LogRecord]]:
-        """The log from offset ``start`` on, page by page; the next page is fetched while the
-        caller works."""
-        nxt = asyncio.ensure_future(self.read_range(start, page, validate=False))
-        while True:
-            records = await nxt
-            if not records:
-                return
-            nxt = asyncio.ensure_future(
-                self.read_range(records[-1].offset + 1, page, validate=False)
-            )
-            try:
-                yield records
-            except BaseException:
-                nxt.cancel()
-                raise
+    def iter_log(self, page: int = 2000, start: int = 1,
+                 pages_per_read: int = 16) -> AsyncIterator[list[LogRecord]]:
+        """The log from offset ``start`` on, page by page. A record's entry ID is its offset, so
+        the ID ranges of the pages to come are known before they are read: ``pages_per_read``
+        of them are asked for in one pipeline (Redis answers them in one go on its own core, not
+        queued behind a large read of the projection), the next batch while the caller works.
+        The ranges ``[s, s + page)`` tile the IDs, so every entry in them is read and checked
+        (ForeignData names one that is not a record); a page short of full (the end, or a gap)
+        ends the tiling, and an open-ended read from its end finds what follows, wherever it is.
+
+        The first pages are asked for when this is called (in a running event loop), ahead of
+        any read started after it."""
+        first = max(1, start)
+        return self._pages(asyncio.ensure_future(self._read_tiles(first, page, pages_per_read)),
+                           first, page, pages_per_read)
+
+    async def _pages(self, pending: asyncio.Future[list[list[LogRecord]]], nxt: int, page: int,
+                     pages_per_read: int) -> AsyncIterator[list[LogRecord]]:
+        """:meth:`iter_log`'s pages, the first batch already asked for (``pending``)."""
+        try:
+            while True:
+                pages = await pending
+                short = next((i for i, got in enumerate(pages) if len(got) < page), None)
+                if short is None:
+                    nxt += page * len(pages)
+                    pending = asyncio.ensure_future(self._read_tiles(nxt, page, pages_per_read))
+                    for got in pages:
+                        yield got
+                    continue
+                for got in pages[:short]:
+                    yield got
+                if pages[short]:
+                    yield pages[short]
+                more = await self.read_range(nxt + page * (short + 1), page, validate=False)
+                if not more:
+                    return
+                nxt = more[-1].offset + 1
+                pending = asyncio.ensure_future(self._read_tiles(nxt, page, pages_per_read))
+                yield more
+        finally:
+            pending.cancel()  # a no-op once done; a caller that stopped early leaves one in flight
+
+    async def _read_tiles(self, start: int, page: int, num_pages: int) -> list[list[LogRecord]]:
+        """The pages ``[start + i * page, start + (i + 1) * page)`` for i < ``num_pages``, in one
+        pipeline, unvalidated (:meth:`iter_log`). One entry more than a page can hold is asked
+        for, so that an entry of another ID in the range is read (and refused) too."""
+        log_key = self.keys.log
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for first in range(start, start + page * num_pages, page):
+                    pipe.xrange(log_key, entry_id(first), "(" + entry_id(first + page), count=page + 1)
+                replies = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise self._read_error(exc, log_key) from exc
+        return [[self._decode_entry(eid, fields, False) for eid, fields in entries]
+                for entries in replies]
 
     async def log_bounds(self) -> tuple[int, int]:
         """``(oldest retained offset, number of records)`` of the log; (0, 0) when empty."""
@@ -134,15 +174,7 @@ class LogReads:
         await self._check_types({k.blocks(rec.layout_id): "hash" for rec in layout_recs})
         try:
             for rec in layout_recs:
-                rows: dict[bytes, ProjectedBlock] = {}
-                cursor = 0
-                while True:  # paged, so no single reply is large enough to hit the timeout
-                    cursor, page = await self.client.hscan(k.blocks(rec.layout_id), cursor, count=20_000)
-                    rows.update(self._decode_all(k.blocks(rec.layout_id), page,
-                                                 projection.decode_block, text=False))
-                    if cursor == 0:
-                        break
-                blocks[rec.layout_id] = rows
+                blocks[rec.layout_id] = await self.read_rows(k.blocks(rec.layout_id))
         except (RedisError, OSError) as exc:
             raise RedisUnavailable(f"Redis unreachable during recovery: {exc}") from exc
         if head is not None and not head.isdigit():
@@ -155,6 +187,26 @@ class LogReads:
             engines=list(self._decode_all(k.engines, engines, projection.decode_engine).values()),
             blocks=blocks,
         )
+
+    async def read_rows(self, key: str, page_rows: int = 20_000) -> dict[bytes, ProjectedBlock]:
+        """A layout's projection rows, paged so that no reply is large enough to hit the
+        timeout. The next page is asked for before this one is decoded, so Redis makes it (~19 ms
+        for 20,000 rows of Redis 7.0's time on the 2-core machine, on its own core) meanwhile."""
+        rows: dict[bytes, ProjectedBlock] = {}
+        nxt = asyncio.ensure_future(self.client.hscan(key, 0, count=page_rows))
+        try:
+            while True:
+                cursor, page = await nxt
+                if cursor != 0:
+                    nxt = asyncio.ensure_future(self.client.hscan(key, cursor, count=page_rows))
+                rows.update(self._decode_all(key, page, projection.decode_block, text=False))
+                if cursor == 0:
+                    return rows
+        finally:  # a page that failed to decode leaves the next one in flight
+            if not nxt.done():
+                nxt.cancel()
+            elif not nxt.cancelled():
+                nxt.exception()  # seen here: asyncio need not log it as never retrieved
 
     async def _check_types(self, want: dict[str, str]) -> None:
         """ForeignData naming the first key whose type is not the one we write there."""
@@ -177,6 +229,11 @@ class LogReads:
     ) -> dict[Any, Any]:
         """``{field: decode(value)}``, fields as str when ``text``; ForeignData names the
         first field that does not decode."""
+        if not text:  # the common case in one C loop; the loop below names a bad field
+            try:
+                return dict(zip(rows, map(decode, rows.values()), strict=True))
+            except (msgspec.DecodeError, UnicodeDecodeError, ValueError):
+                pass
         out: dict[Any, Any] = {}
         for f, v in rows.items():
             try:
