@@ -29,7 +29,9 @@ checkpoint is written ``checkpoint_records - 1`` records before the head: the wo
 checkpoint was due when the daemon died, so recovery replays the longest tail it can meet.
 
 SERVING is probed every 50 ms on a channel that reconnects within 20 ms (gRPC's default waits
-1 s, then 1.6 s, after a refused connection, which once made a restart look ~1 s slower). With
+1 s, then 1.6 s, after a refused connection, which once made a restart look ~1 s slower); each
+row has the daemon's CPU seconds by then and how long its event loop waited for a CPU
+(``main_runq_s``: on a shared machine, exec -> SERVING less it is about an idle machine's). With
 ``--before-tree DIR`` (a checkout of another commit, e.g. ``git archive``), each size is
 restarted ``--restarts`` times with that tree's daemon and this one's, alternating, on the same
 Redis and arena (the measured restarts write no checkpoint, so each replays the same tail).
@@ -244,12 +246,14 @@ def restart_once(daemon: DaemonProcess, admin: Any, keys: LogKeys, head: int,
         daemon.args = args
     to_serving = time.perf_counter() - t0
     cpu_s = process_cpu_s(daemon.proc.pid) if daemon.proc and not profile_dir else None
+    runq_s = main_runq_s(daemon.proc.pid) if daemon.proc and not profile_dir else None
     report = recovery_seconds(daemon)
     with OffloadClient(daemon.target) as client:
         resident = client.stats()
     row: dict[str, Any] = {"history_records": head,
            "exec_to_serving_s": round(to_serving, 3),
            "cpu_to_serving_s": cpu_s,
+           "main_runq_s": runq_s,  # the event loop's wait for a CPU before SERVING was seen
            "recovery_s": report.get("seconds"),
            # exec -> the daemon's serving line, less its recovery: interpreter, imports, config,
            # Redis, owner lease, and the servers bound after recovery (wall, same clock)
@@ -275,6 +279,16 @@ def process_cpu_s(pid: int) -> float | None:
     except OSError:
         return None
     return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 3)
+
+
+def main_runq_s(pid: int) -> float | None:
+    """Seconds the main thread of ``pid`` (the daemon's event loop) was ready to run but waited
+    for a CPU (``/proc/PID/schedstat``): on a shared machine, exec -> SERVING less this is
+    about what an idle machine would have measured (Redis' own waits are not taken out)."""
+    try:
+        return round(int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9, 3)
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def in_tree(args: list[str], tree: str) -> list[str]:
@@ -405,7 +419,7 @@ def main() -> int:
             print(f"{row['tree']:>6} {row['history_records']:>10} records: did not start")
             continue
         print(f"{row['tree']:>6} {row['history_records']:>10} records: SERVING {row['exec_to_serving_s']:.2f} s after "
-              f"exec ({row['cpu_to_serving_s']} s of CPU; recovery {row['recovery_s']:.2f} s, tail {row['tail_records']}, "
+              f"exec ({row['cpu_to_serving_s']} s of CPU, {row['main_runq_s']} s waiting for one; recovery {row['recovery_s']:.2f} s, tail {row['tail_records']}, "
               f"outside recovery {row['outside_recovery_s']} s), used_memory "
               f"{row['used_memory'] / 2**20:.1f} MiB (goal {row['memory_goal_bytes'] / 2**20:.1f} MiB)")
     if "checkpoint_cost" in result:

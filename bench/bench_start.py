@@ -6,7 +6,8 @@ An empty daemon on its own Redis is killed and started ``--restarts`` times (alt
 the daemon of ``--before-tree``, a checkout of another commit, when given): exec -> health
 SERVING (probed every 50 ms on a channel that reconnects within 20 ms) and the CPU seconds the
 process used by then (user + system, all threads), which a loaded machine inflates far less than
-the wall time. Bytecode is compiled once for each tree before the first start, as an installed
+the wall time, and how long its main thread (the event loop) waited for a CPU meanwhile
+(``main_runq_s``, /proc/PID/schedstat). Bytecode is compiled once for each tree before the first start, as an installed
 package has it. bench_recovery.py measures the same with 100k blocks to restore.
 """
 
@@ -27,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_recovery import in_tree, process_cpu_s
+from bench.bench_recovery import in_tree, main_runq_s, process_cpu_s
 from tests.support.offloadd_proc import REPO, DaemonProcess
 from tests.support.redis_proc import RedisProcess
 
@@ -48,9 +49,11 @@ def run(work: Path, trees: dict[str, str], restarts: int) -> dict[str, list[dict
                 daemon.start()
                 wall = time.perf_counter() - t0
                 cpu = process_cpu_s(daemon.proc.pid) if daemon.proc else None
+                runq = main_runq_s(daemon.proc.pid) if daemon.proc else None
                 rows[name].append({"exec_to_serving_s": round(wall, 3), "cpu_to_serving_s": cpu,
-                                   "load_1m": round(load, 2)})
-                print(f"{i + 1}/{restarts} {name}: {wall:.2f} s, CPU {cpu} s", file=sys.stderr)
+                                   "main_runq_s": runq, "load_1m": round(load, 2)})
+                print(f"{i + 1}/{restarts} {name}: {wall:.2f} s, CPU {cpu} s, waited for a CPU "
+                      f"{runq} s", file=sys.stderr)
     finally:
         daemon.kill()
         redis_proc.stop()
@@ -74,7 +77,8 @@ def main() -> int:
             subprocess.run([sys.executable, "-c", "import offloadd.__main__"], cwd=tree, check=True)
         rows = run(Path(tmp), trees, args.restarts)
     summary = {name: {"median_exec_to_serving_s": statistics.median(r["exec_to_serving_s"] for r in runs),
-                      "median_cpu_to_serving_s": statistics.median(r["cpu_to_serving_s"] or 0.0 for r in runs)}
+                      "median_cpu_to_serving_s": statistics.median(r["cpu_to_serving_s"] or 0.0 for r in runs),
+                      "median_main_runq_s": statistics.median(r["main_runq_s"] or 0.0 for r in runs)}
                for name, runs in rows.items()}
     doc = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
            "trees": trees, "summary": summary, "runs": rows}
