@@ -1,6 +1,7 @@
 """The host work of a GPU prefix hit (issue 22): wall time per engine stage, on any machine.
 
     python bench/bench_hit_host.py [--prompt-len 4096,8000] [--iters 30] [--out FILE]
+    python bench/bench_hit_host.py --device cuda --model 1b --model-dir /tmp/m1b   # a real GPU hit
     python bench/ab_trees.py --before /tmp/old --after . --rounds 3 --out bench/results/x.json \\
         -- bench/bench_hit_host.py          # the same script copied into the old tree first
 
@@ -19,6 +20,13 @@ ran 5-10x slower (its caches taken by the forward), which measured the forward, 
 work. The tokens then differ from a real run's; nothing this bench times depends on them.
 With ``--with-model`` the model is tiny (1 layer, width 64) and torch runs one thread: with
 two, OpenMP's spinning threads made the tiny step ~10x slower on a shared 2-core machine.
+
+``--device cuda --model 1b`` (bench_offload's 1B shape, bfloat16) runs the real step on the GPU:
+``generate`` is then a GPU hit's TTFT without the offload connector (steps synchronous, as with
+one), and the stages inside the step show which host work is serial with the GPU (everything
+before the graph's replay and after the token is read). ``--idle-ms`` sleeps before each
+measured hit, as a benchmark that waits for the store before it does. ``--model-dir`` keeps the
+written checkpoint for the next run (ab_trees runs the script once per tree and round).
 """
 
 from __future__ import annotations
@@ -47,7 +55,10 @@ VOCAB = 32000
 STAGES = [("", "prepare_prompt"), ("", "add_prepared"), ("", "step"), ("", "_append_token"), ("", "_settle"),
           ("", "_flush_events"), ("runner", "execute"), ("scheduler", "schedule"), ("scheduler", "finish"),
           ("scheduler.holds", "hold"), ("kv", "find_prefix_hit"), ("kv", "allocate_for_admission"),
-          ("kv", "register_full_blocks"), ("kv", "free")]
+          ("kv", "register_full_blocks"), ("kv", "free"), ("", "_launch"), ("", "_outputs"), ("", "_free_ending"),
+          ("runner.graphs", "run"), ("runner.graphs", "_values"), ("chain", "pick"), ("chain", "tokens")]
+# (module, class, method): stages of objects made inside a step (timed on their class).
+CLASS_STAGES = [("engine.step_graphs", "_Inputs", "upload")]
 
 
 def _wrap(engine: Any, spent: dict[str, float]) -> list[tuple[Any, str]]:
@@ -73,12 +84,39 @@ def _wrap(engine: Any, spent: dict[str, float]) -> list[tuple[Any, str]]:
     return done
 
 
-def measure(model_dir: Path, prompt_len: int, iters: int, with_model: bool) -> dict[str, Any]:
+def _wrap_classes(spent: dict[str, float]) -> list[tuple[Any, str, Any]]:
+    """Timing wrappers on the classes of ``CLASS_STAGES`` (those a tree has); returns what to undo."""
+    import importlib
+
+    done = []
+    for module, cls_name, name in CLASS_STAGES:
+        cls = getattr(importlib.import_module(module), cls_name, None)
+        fn = getattr(cls, name, None) if cls is not None else None
+        if fn is None:
+            continue
+
+        def run(*args: Any, _fn: Callable[..., Any] = fn, _name: str = name, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t0
+
+        setattr(cls, name, run)
+        done.append((cls, name, fn))
+    return done
+
+
+def measure(model_dir: Path, prompt_len: int, iters: int, with_model: bool, device: str = "cpu",
+            idle_s: float = 0.0) -> dict[str, Any]:
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
-    llm = LLM(str(model_dir), device="cpu", dtype="float32", num_gpu_blocks=prompt_len // 16 * 2 + 16,
-              max_num_batched_tokens=prompt_len + 64, max_model_len=prompt_len + 64)
+    cuda = device.startswith("cuda")
+    extra: dict[str, Any] = dict(async_scheduling=False) if cuda else {}
+    llm = LLM(str(model_dir), device=device, dtype="bfloat16" if cuda else "float32",
+              num_gpu_blocks=prompt_len // 16 * 2 + 16, max_num_batched_tokens=prompt_len + 64,
+              max_model_len=prompt_len + 64, **extra)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     if not with_model:
         def no_model(out: Any, sample_rows: list[int], *args: Any) -> torch.Tensor:
@@ -89,11 +127,14 @@ def measure(model_dir: Path, prompt_len: int, iters: int, with_model: bool) -> d
     spent: dict[str, float] = {}
     rows: dict[str, list[float]] = {}
     undo = _wrap(llm.engine, spent)
+    undo_classes = _wrap_classes(spent)
     warmup = 5
     try:
         for it in range(iters + warmup):
             prompt = [rng.randrange(VOCAB) for _ in range(prompt_len)]
             llm.generate(prompt, params)
+            if idle_s:
+                time.sleep(idle_s)
             spent.clear()
             t0 = time.perf_counter()
             out = llm.generate(prompt, params)
@@ -109,8 +150,11 @@ def measure(model_dir: Path, prompt_len: int, iters: int, with_model: bool) -> d
     finally:
         for obj, name in undo:
             delattr(obj, name)
+        for cls, name, fn in undo_classes:
+            setattr(cls, name, fn)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    return {"prompt_len": prompt_len, "iters": iters, "with_model": with_model, "cached_tokens": (prompt_len - 1) // 16 * 16,
+    return {"prompt_len": prompt_len, "iters": iters, "with_model": with_model, "device": device,
+            "idle_ms": idle_s * 1e3, "cached_tokens": (prompt_len - 1) // 16 * 16,
             "stages_ms": dict(sorted(med.items(), key=lambda kv: -kv[1])),
             "best_ms": {k: min(rows[k]) for k in med}, "q1_ms": {k: statistics.quantiles(v, n=4)[0] for k, v in rows.items()}}
 
@@ -120,21 +164,44 @@ def main() -> None:
     ap.add_argument("--prompt-len", default="4096,8000", help="comma-separated prompt lengths (default 4096,8000)")
     ap.add_argument("--iters", type=int, default=30, help="measured hits per length, after 5 warm-up (default 30)")
     ap.add_argument("--with-model", action="store_true", help="run the model's step (on this CPU it slows the rest)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: cuda runs the real step (--model 1b)")
+    ap.add_argument("--model", choices=["tiny", "1b"], default="tiny",
+                    help="tiny (default: 1 layer, width 64) or 1b (bench_offload's 1B shape, bfloat16; CUDA only)")
+    ap.add_argument("--model-dir", default=None, help="write the checkpoint here and reuse it when it is there")
+    ap.add_argument("--idle-ms", type=float, default=0.0, help="sleep this long before each measured hit (default 0)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "hit_host.json"))
     a = ap.parse_args()
-    lengths = [int(x) for x in a.prompt_len.split(",")]
-    if a.iters < 1 or any(n < 32 for n in lengths):
-        ap.error("--iters must be >= 1 and every --prompt-len >= 32")
+    try:
+        lengths = [int(x) for x in a.prompt_len.split(",")]
+    except ValueError:
+        ap.error(f"--prompt-len: expected integers separated by commas, got {a.prompt_len!r}")
+    if a.iters < 1 or any(n < 32 for n in lengths) or a.idle_ms < 0:
+        ap.error("--iters must be >= 1, every --prompt-len >= 32 and --idle-ms >= 0")
+    cuda = a.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        ap.error(f"--device {a.device}: no CUDA device here")
+    if a.model == "1b" and not cuda:
+        ap.error("--model 1b needs --device cuda (bfloat16)")
     from engine.model.checkpoint import TinyModelSpec, write_tiny_model
 
+    if a.model == "1b":
+        from bench.bench_offload import MODELS
+
+        spec = TinyModelSpec(**MODELS["1b"])
+        if max(lengths) + 64 > spec.max_position_embeddings:
+            ap.error(f"--prompt-len: at most {spec.max_position_embeddings - 64} tokens with --model 1b")
+    else:
+        spec = TinyModelSpec(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=2,
+                             num_kv_heads=1, max_position_embeddings=max(lengths) + 64)
     torch.set_num_threads(1)
     results = []
     with tempfile.TemporaryDirectory(prefix="hit-host-") as tmp:
-        model_dir = write_tiny_model(Path(tmp) / "model", TinyModelSpec(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-            max_position_embeddings=max(lengths) + 64))
+        model_dir = Path(a.model_dir) if a.model_dir else Path(tmp) / "model"
+        if not (model_dir / "config.json").is_file():
+            print(f"writing the {a.model} checkpoint to {model_dir}", file=sys.stderr, flush=True)
+            write_tiny_model(model_dir, spec)
         for n in lengths:
-            r = measure(model_dir, n, a.iters, a.with_model)
+            r = measure(model_dir, n, a.iters, a.with_model or cuda, a.device, a.idle_ms / 1e3)
             s = r["stages_ms"]
             print(f"{n} tokens: generate {s['generate']:.3f} ms, host {s['host']:.3f} ms (q1 {r['q1_ms']['host']:.3f}); "
                   + ", ".join(f"{k} {v:.3f}" for k, v in s.items() if k not in ("generate", "host")))

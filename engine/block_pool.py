@@ -146,23 +146,39 @@ class BlockPool:
         token_ids: Sequence[int],
         parent: bytes | None,
         depth: int = 0,
+        chunks: Sequence[tuple[int, ...]] | None = None,
     ) -> list[int | None]:
         """Give newly full blocks their digests; one ``BlockStored`` per contiguous run.
 
         ``token_ids`` covers exactly these blocks; ``parent`` is the digest before the first,
-        ``depth`` the first block's index in its chain.
+        ``depth`` the first block's index in its chain; ``chunks``: each block's tokens as a
+        tuple, when the caller made them already (the blocks keep them).
         Returns, per block, None when it was registered, or the block that already holds its
         digest (the caller swaps to that block, so a request's chain stays all cached).
         """
-        result: list[int | None] = []
-        run: list[int] = []
-        run_parent = parent
-        prev = parent
         bs = self.block_size
         blocks = self.blocks
         cached = self.hash_to_block
         # Slices of a tuple are tuples: one copy per block, not a list and then a tuple.
         tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+        if chunks is None:
+            chunks = [tokens[i : i + bs] for i in range(0, len(digests) * bs, bs)]
+        result: list[int | None] = list(map(cached.get, digests))
+        n = len(result)
+        if result.count(None) == n:
+            # The common case (a prefill's or a load's blocks, none cached yet): one run, the
+            # hash map filled in C. A chain's digests are distinct (each covers its parent).
+            for blk, digest, prev, chunk, d in zip(map(blocks.__getitem__, block_ids), digests,
+                                                    (parent, *digests[: n - 1]), chunks, range(depth, depth + n), strict=True):
+                assert blk.block_id != NULL_BLOCK_ID and blk.digest is None, f"block {blk.block_id} cannot take a hash"
+                blk.digest, blk.parent, blk.token_ids, blk.depth = digest, prev, chunk, d
+            cached.update(zip(digests, block_ids, strict=True))
+            self._emit_stored(range(n), digests, tokens, parent)
+            return result
+        result = []
+        run: list[int] = []
+        run_parent = parent
+        prev = parent
         for i, (b, digest) in enumerate(zip(block_ids, digests, strict=True)):
             existing = cached.get(digest)
             if existing is not None:
@@ -174,7 +190,7 @@ class BlockPool:
                 assert b != NULL_BLOCK_ID and blk.digest is None, f"block {b} cannot take a hash"
                 blk.digest = digest
                 blk.parent = prev
-                blk.token_ids = tokens[i * bs : (i + 1) * bs]
+                blk.token_ids = chunks[i]
                 blk.depth = depth + i
                 cached[digest] = b
                 result.append(None)
@@ -186,7 +202,7 @@ class BlockPool:
         return result
 
     def _emit_stored(
-        self, run: list[int], digests: Sequence[bytes], token_ids: Sequence[int], parent: bytes | None
+        self, run: Sequence[int], digests: Sequence[bytes], token_ids: Sequence[int], parent: bytes | None
     ) -> None:
         if not run:
             return

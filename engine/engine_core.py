@@ -126,12 +126,13 @@ class EngineCore:
                 f"request needs up to {need} KV blocks ({longest} tokens) but the pool has "
                 f"{self.config.num_gpu_blocks}; lower max_tokens or shorten the prompt"
             )
-        gen = torch.Generator()
-        gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen)))
+        # Drawn for every request, greedy ones too, as before (later requests keep their seeds);
+        # the generator is made only when the request samples.
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
         req = Request(
             request_id=rid, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
             eos_token_ids=() if params.ignore_eos else self.model_config.eos_token_ids,
-            generator=gen, prompt=prepared.text, prompt_array=prepared.ids,
+            generator=None, prompt=prepared.text, prompt_array=prepared.ids, seed=seed,
         )
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -186,6 +187,8 @@ class EngineCore:
                 launched = self._launch(out)
             try:
                 ahead = self.chain.launch_ahead(launched, self.scheduler, self.kv, self.runner, self.max_model_len)
+                if ahead is None:
+                    self._free_ending(launched)
                 outputs = self._outputs(launched)
                 if ahead is not None:
                     self._settle(ahead.scheduled)
@@ -206,12 +209,23 @@ class EngineCore:
             i for i, s in enumerate(scheduled)
             if s.start + s.num_new_tokens == s.request.num_tokens
         ]
+        reqs = [scheduled[i].request for i in sample_rows]
+        # Greedy only: pick on the device and move token ids, not [rows, vocab] logits. The pick
+        # and its copy to the host are queued right behind the step, before the bookkeeping
+        # below: the tokens are on the host when the step ends, not a kernel and a copy later.
+        greedy = all(r.params.is_greedy and not r.params.return_logits for r in reqs)
         try:
             logits = self.runner.execute(out, sample_rows, self.connector.take_layer_waits())
+            launched = Launched(scheduled, reqs, None if greedy else logits)
+            if greedy:
+                self.chain.pick(launched, logits)
             redo = self._settle(scheduled)
             if redo:
                 # Wrong KV was loaded: nothing of it may stay cached, nor anything that shares it.
                 logits, sample_rows = self._drop(scheduled, redo, logits, sample_rows)
+                launched = Launched(scheduled, [scheduled[i].request for i in sample_rows], None if greedy else logits)
+                if greedy:
+                    self.chain.pick(launched, logits)
         except BaseException:
             # The failed step's loads are completed and checked all the same, so that their
             # pins are released and the stores held for them settled (nothing is redone).
@@ -219,12 +233,6 @@ class EngineCore:
             self.connector.check_loads()
             self.connector.step_done()
             raise
-        reqs = [scheduled[i].request for i in sample_rows]
-        launched = Launched(scheduled, reqs, logits)
-        if all(r.params.is_greedy and not r.params.return_logits for r in reqs):
-            # Greedy only: pick on the device and move token ids, not [rows, vocab] logits.
-            launched.logits = None
-            self.chain.pick(launched, logits)
         return launched
 
     def _settle(self, scheduled: list[ScheduledRequest]) -> set[str]:
@@ -247,6 +255,20 @@ class EngineCore:
         if redo:
             redo = self.kv.forget_blocks(new_blocks, redo, [s.request for s in scheduled])
         return redo
+
+    def _free_ending(self, launched: Launched) -> None:
+        """Release the blocks of the requests that this step's token ends by length, whatever the
+        token is, while the GPU still computes it (a 4,096-token prompt's 256 blocks took ~70 us
+        on an H200 host once the token was in). Nothing allocates blocks before the token is
+        read (no step was launched ahead); the request finishes as before when its token comes.
+        Only a leading run of such requests: one before them may still end on its token (EOS, a
+        stop) and must free first, as it did, so that the LRU order and later events stay the same."""
+        for r in launched.requests:
+            if r.is_finished:
+                continue
+            if len(r.output_token_ids) + 1 < r.max_tokens and r.num_tokens + 1 < self.max_model_len:
+                return
+            self.kv.free(r)
 
     def _outputs(self, launched: Launched) -> list[StepOutput]:
         """Read the step's tokens (sample them from its logits) and append them; a request that
@@ -276,7 +298,7 @@ class EngineCore:
     def _append_token(self, req: Request, logits: torch.Tensor | None, token: int | None = None) -> StepOutput:
         if token is None:
             assert logits is not None
-            token = sample_token(logits, req.params, req.generator)
+            token = sample_token(logits, req.params, None if req.params.is_greedy else req.sampler())
         if req.params.return_logits and logits is not None:
             req.logits.append(logits.clone())
         out = next_output(req, token, self.tokenizer, self.max_model_len)

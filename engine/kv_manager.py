@@ -167,23 +167,29 @@ class KVCacheManager:
             req.num_hashed_blocks = max(start, num_full)
             return []
         digests = req.block_digests(self.hasher, num_full)
-        # A tuple: its per-block slices are the tuples that events and NewBlocks keep.
+        # A tuple: its per-block slices are the tuples that blocks, events and NewBlocks keep
+        # (made once, shared by the pools and the NewBlocks).
         tokens = tuple(req.token_ids(start * bs, num_full * bs))
+        chunks = [tokens[i : i + bs] for i in range(0, len(tokens), bs)]
         out: list[NewBlocks] = []
         for pool, blocks in zip(self.pools, self.block_tables[req.request_id], strict=True):
             # Null (out-of-window, never loaded) blocks at the front are skipped, not hashed.
             lead = next((i for i in range(num_full - start) if blocks[start + i] != NULL_BLOCK_ID), num_full - start)
             result = [NULL_BLOCK_ID] * lead + pool.cache_full_blocks(
                 blocks[start + lead : num_full], digests[start + lead : num_full], tokens[lead * bs :],
-                digests[start + lead - 1] if start + lead > 0 else None, start + lead,
+                digests[start + lead - 1] if start + lead > 0 else None, start + lead, chunks[lead:],
             )
-            fresh = [i for i, r in enumerate(result) if r is None]
-            for i, existing in enumerate(result):
-                if existing is not None and existing != NULL_BLOCK_ID:
-                    # Same tokens, same KV: share the cached block and drop our duplicate.
-                    pool.touch([existing])
-                    pool.free([blocks[start + i]])
-                    blocks[start + i] = existing
+            fresh: Sequence[int]
+            if result.count(None) == len(result):  # the common case: every block is new
+                fresh = range(len(result))
+            else:
+                fresh = [i for i, r in enumerate(result) if r is None]
+                for i, existing in enumerate(result):
+                    if existing is not None and existing != NULL_BLOCK_ID:
+                        # Same tokens, same KV: share the cached block and drop our duplicate.
+                        pool.touch([existing])
+                        pool.free([blocks[start + i]])
+                        blocks[start + i] = existing
             if len(fresh) == num_full - start:  # the common case: slices, not per-block picks
                 parents: tuple[bytes | None, ...] = (digests[start - 1] if start else None, *digests[start : num_full - 1])
                 out.append(
@@ -194,7 +200,7 @@ class KVCacheManager:
                         digests=tuple(digests[start:num_full]),
                         block_indices=tuple(range(start, num_full)),
                         parents=parents,
-                        token_ids=tuple([tokens[i : i + bs] for i in range(0, len(tokens), bs)]),
+                        token_ids=tuple(chunks),
                     )
                 )
             elif fresh:
@@ -206,7 +212,7 @@ class KVCacheManager:
                         digests=tuple(digests[start + i] for i in fresh),
                         block_indices=tuple(start + i for i in fresh),
                         parents=tuple(digests[start + i - 1] if start + i > 0 else None for i in fresh),
-                        token_ids=tuple([tokens[i * bs : (i + 1) * bs] for i in fresh]),
+                        token_ids=tuple([chunks[i] for i in fresh]),
                     )
                 )
         req.num_hashed_blocks = num_full

@@ -85,7 +85,8 @@ def _output(req: Request) -> RequestOutput:
     return RequestOutput(
         request_id=req.request_id,
         prompt=req.prompt,
-        prompt_token_ids=list(req.prompt_token_ids),
+        # The request's own list (it copied the caller's; nothing changes it once finished).
+        prompt_token_ids=req.prompt_token_ids,
         outputs=[
             CompletionOutput(
                 index=0, text=req.output_text, token_ids=list(req.output_token_ids),

@@ -43,7 +43,9 @@ class Request:
     params: SamplingParams
     max_tokens: int
     eos_token_ids: tuple[int, ...]
-    generator: torch.Generator
+    generator: torch.Generator | None
+    """Sampling's random stream; None: made from ``seed`` when first needed (a greedy request never
+    needs one: creating and seeding it at every arrival was host work before the first token)."""
     prompt: str | None = None
     prompt_array: np.ndarray | None = None
     """``prompt_token_ids`` as an int64 array, hashed without a conversion (None: hash the list)."""
@@ -64,6 +66,15 @@ class Request:
     text: OutputText | None = field(default=None, repr=False)
     """The output text as it is built (engine.output_text), made at the first token."""
     _digests: list[bytes] = field(default_factory=list)
+    seed: int = 0
+    """Seeds ``generator`` when it is made."""
+
+    def sampler(self) -> torch.Generator:
+        """``generator``, made from ``seed`` on first use."""
+        if self.generator is None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(self.seed)
+        return self.generator
 
     @property
     def all_token_ids(self) -> list[int]:

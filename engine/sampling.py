@@ -49,10 +49,12 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
 
-def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Pick one token from a float32 CPU logits row of one request."""
+def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick one token from a float32 CPU logits row of one request (``generator``: None only
+    when greedy)."""
     if params.is_greedy:
         return int(torch.argmax(logits).item())
+    assert generator is not None, "sampling needs a generator"
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)

@@ -74,10 +74,11 @@ class StepChain:
         return step if step is not None and step.live else None
 
     def pick(self, launched: Launched, logits: Tensor) -> None:
-        """Greedy tokens of ``logits`` on the device; with async scheduling also queued to
-        pinned host memory (read by :meth:`tokens` without waiting for later work)."""
+        """Greedy tokens of ``logits`` on the device, on CUDA also queued to pinned host memory
+        (read by :meth:`tokens` without waiting for later work, and without a copy of its own
+        issued once the step is done: the engine picks right after the launch)."""
         launched.tokens = logits.argmax(dim=-1)
-        if not self.enabled or self.device.type != "cuda":
+        if self.device.type != "cuda":
             return
         n = launched.tokens.numel()
         if not self._buffers or self._buffers[0].numel() < n:
