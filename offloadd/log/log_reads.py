@@ -188,10 +188,16 @@ class LogReads:
             blocks=blocks,
         )
 
-    async def read_rows(self, key: str, page_rows: int = 20_000) -> dict[bytes, ProjectedBlock]:
-        """A layout's projection rows, paged so that no reply is large enough to hit the
-        timeout. The next page is asked for before this one is decoded, so Redis makes it (~19 ms
-        for 20,000 rows of Redis 7.0's time on the 2-core machine, on its own core) meanwhile."""
+    async def read_rows(self, key: str, page_rows: int = 20_000,
+                        whole_rows: int = 250_000) -> dict[bytes, ProjectedBlock]:
+        """A layout's projection rows: in one HGETALL up to ``whole_rows`` of them (Redis makes
+        the reply on its own core while the caller works: ~70 ms for 100k rows on the 2-core
+        machine, against ~95 ms as HSCAN pages, each asked for only once the last arrived);
+        beyond, paged so that no reply is large enough to hit the timeout, the next page asked
+        for before this one is decoded."""
+        if await self.client.hlen(key) <= whole_rows:
+            return self._decode_all(key, await self.client.hgetall(key), projection.decode_block,
+                                    text=False)
         rows: dict[bytes, ProjectedBlock] = {}
         nxt = asyncio.ensure_future(self.client.hscan(key, 0, count=page_rows))
         try:
