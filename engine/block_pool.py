@@ -59,6 +59,8 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks + 1)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks + 1))
         self.hash_to_block: dict[bytes, int] = {}
+        self.version = 0
+        """Counts changes of ``hash_to_block`` (a match made at an equal version still holds)."""
         self._events = events
 
     @property
@@ -120,6 +122,7 @@ class BlockPool:
         assert blk.digest is not None
         if self.hash_to_block.get(blk.digest) == blk.block_id:
             del self.hash_to_block[blk.digest]
+            self.version += 1
         self._events.append(
             BlockRemoved(block_hashes=(to_wire(blk.digest),), medium="GPU", group_idx=self.group_idx)
         )
@@ -165,7 +168,7 @@ class BlockPool:
             chunks = [tokens[i : i + bs] for i in range(0, len(digests) * bs, bs)]
         result: list[int | None] = list(map(cached.get, digests))
         n = len(result)
-        if result.count(None) == n:
+        if n and result.count(None) == n:
             # The common case (a prefill's or a load's blocks, none cached yet): one run, the
             # hash map filled in C. A chain's digests are distinct (each covers its parent).
             for blk, digest, prev, chunk, d in zip(map(blocks.__getitem__, block_ids), digests,
@@ -173,6 +176,7 @@ class BlockPool:
                 assert blk.block_id != NULL_BLOCK_ID and blk.digest is None, f"block {blk.block_id} cannot take a hash"
                 blk.digest, blk.parent, blk.token_ids, blk.depth = digest, prev, chunk, d
             cached.update(zip(digests, block_ids, strict=True))
+            self.version += 1
             self._emit_stored(range(n), digests, tokens, parent)
             return result
         result = []
@@ -193,6 +197,7 @@ class BlockPool:
                 blk.token_ids = chunks[i]
                 blk.depth = depth + i
                 cached[digest] = b
+                self.version += 1
                 result.append(None)
                 if not run:
                     run_parent = prev
@@ -249,6 +254,7 @@ class BlockPool:
         for blk in self.blocks:
             blk.digest = None
         self.hash_to_block.clear()
+        self.version += 1
 
 
 def all_blocks_cleared() -> AllBlocksCleared:

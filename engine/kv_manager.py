@@ -45,13 +45,25 @@ class KVCacheManager:
         self._events.clear()
         return out
 
+    @property
+    def version(self) -> int:
+        """Changes of every pool's prefix-cache map so far: ``find_prefix_hit`` answers the same
+        for a request while this stays the same."""
+        return sum(p.version for p in self.pools)
+
+    def prompt_digests(self, req: Request) -> list[bytes]:
+        """The digests ``find_prefix_hit`` returns (those of the blocks a hit may cover)."""
+        if not self.enable_prefix_caching:
+            return []
+        return req.block_digests(self.hasher, (req.num_tokens - 1) // self.block_size)
+
     def find_prefix_hit(self, req: Request) -> tuple[int, list[bytes]]:
         """Longest usable cached prefix in blocks, and the digests of the request's full blocks
         (at least one token is always left to compute, so the last token's logits exist)."""
         if not self.enable_prefix_caching:
             return 0, []
         bs = self.block_size
-        digests = req.block_digests(self.hasher, (req.num_tokens - 1) // bs)
+        digests = self.prompt_digests(req)
         limit = len(digests)
         for pool in self.pools:
             if pool.sliding_window is None:
@@ -88,7 +100,7 @@ class KVCacheManager:
 
     def allocate_for_admission(
         self, req: Request, digests: list[bytes], num_hit: int, num_external: int, num_new_tokens: int,
-        held: list[list[int]] | None = None,
+        held: list[list[int]] | None = None, held_are_hits: bool = False,
     ) -> dict[int, list[int]] | None:
         """Take the hit blocks and allocate the rest; None (and no change) when blocks run short.
 
@@ -96,6 +108,8 @@ class KVCacheManager:
         are the admission's: a group whose held blocks are its hits keeps them as they are (no
         second reference taken and the hold's dropped, the same state at a third of the work),
         any other group's are released after its hits are taken. On None they stay the caller's.
+        ``held_are_hits``: the caller knows that ``held`` are exactly the hits (the hold was
+        matched at the current ``version`` with this ``num_hit``): they are not looked up again.
 
         Returns, per group, the blocks allocated for the ``num_external`` blocks to load."""
         bs = self.block_size
@@ -104,11 +118,13 @@ class KVCacheManager:
         plans: list[tuple[BlockPool, list[int], int, int, list[int] | None]] = []
         for g, pool in enumerate(self.pools):
             first = min(first_visible_block(num_hit * bs, pool.sliding_window, bs), num_hit)
-            cached = pool.hash_to_block
-            taken = list(map(cached.__getitem__, digests[first:num_hit]))  # in C
+            if held is not None and held_are_hits:
+                taken = held[g]
+            else:
+                taken = list(map(pool.hash_to_block.__getitem__, digests[first:num_hit]))  # in C
             hits = [NULL_BLOCK_ID] * first + taken if first else taken
             # None: the hold's blocks are these hits (held blocks are referenced: none reclaimable).
-            release = None if held is None or held[g] == taken else held[g]
+            release = None if held is None or held[g] is taken or held[g] == taken else held[g]
             # Loaded sliding-window blocks that are already outside the window stay null: never
             # read, so neither allocated, loaded nor hashed (the offload tier needs only the window).
             skip = min(first_visible_block(num_computed, pool.sliding_window, bs), num_hit + num_external) - num_hit

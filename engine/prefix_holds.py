@@ -26,6 +26,8 @@ class PrefixHolds:
         self.enabled = enabled and kv.enable_prefix_caching
         self._held: dict[str, list[list[int]]] = {}
         """Per waiting request with a hold, its held blocks per group; oldest first."""
+        self._matched: dict[str, tuple[int, int]] = {}
+        """Per hold, the KV manager's ``version`` when it was matched and its hit in blocks."""
         self.num_held = 0
         """Requests that got a hold (since start)."""
         self.num_dropped = 0
@@ -38,6 +40,7 @@ class PrefixHolds:
         num_hit, digests = self.kv.find_prefix_hit(req)
         if num_hit:
             self._held[req.request_id] = self.kv.hold_blocks(digests, num_hit)
+            self._matched[req.request_id] = (self.kv.version, num_hit)
             self.num_held += 1
         return num_hit
 
@@ -45,13 +48,22 @@ class PrefixHolds:
         """The blocks held for a request, per group (None: no hold), for its admission."""
         return self._held.get(request_id)
 
+    def fresh_hit(self, request_id: str) -> int | None:
+        """The hold's hit in blocks when no cached block came or went since it was matched (the
+        admission's match would find the same blocks; a request that arrived and is admitted in
+        the same step is the common case); else None."""
+        matched = self._matched.get(request_id)
+        return matched[1] if matched is not None and matched[0] == self.kv.version else None
+
     def handed_over(self, request_id: str) -> None:
         """Forget a request's hold whose references its admission took over
         (``KVCacheManager.allocate_for_admission``): nothing is released here."""
         self._held.pop(request_id, None)
+        self._matched.pop(request_id, None)
 
     def release(self, request_id: str) -> bool:
         """Drop a request's hold (admitted, finished or aborted); False when it had none."""
+        self._matched.pop(request_id, None)
         table = self._held.pop(request_id, None)
         if table is None:
             return False

@@ -99,13 +99,17 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int) -> ScheduledRequest | None:
         bs = self.kv.block_size
-        num_hit, digests = self.kv.find_prefix_hit(req)
+        fresh = self.holds.fresh_hit(req.request_id)
+        if fresh is None:
+            num_hit, digests = self.kv.find_prefix_hit(req)
+        else:  # nothing cached came or went since the hold matched: the same hit
+            num_hit, digests = fresh, self.kv.prompt_digests(req)
         num_ext = self.connector.lookup(req.request_id, digests, num_hit)
         num_ext = max(0, min(num_ext, len(digests) - num_hit))
         start = (num_hit + num_ext) * bs
         num_new = min(req.num_tokens - start, budget)
         held = self.holds.held(req.request_id)
-        loads = self.kv.allocate_for_admission(req, digests, num_hit, num_ext, num_new, held)
+        loads = self.kv.allocate_for_admission(req, digests, num_hit, num_ext, num_new, held, fresh is not None)
         if loads is None:
             return None
         self.holds.handed_over(req.request_id)  # the admission holds its blocks now

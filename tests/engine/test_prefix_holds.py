@@ -81,3 +81,30 @@ def test_an_aborted_waiting_request_drops_its_hold(plain_model: Path) -> None:
     assert core.scheduler.holds.num_blocks == 0
     assert core.kv.pools[0].num_free_blocks == 16
     assert _run(core, [*P, 3], "e").num_cached_tokens == len(P)  # still cached after the release
+
+
+def test_an_admission_reuses_the_holds_match_only_while_nothing_cached_changed(plain_model: Path) -> None:
+    """A hold matched at the KV manager's current version is the admission's hit (no second
+    match); once a cached block came or went, the admission matches again."""
+    core = _core(plain_model, hold=True)
+    _run(core, [*P, 7], "a")
+    holds, kv = core.scheduler.holds, core.kv
+    req = core.add_request([*P, 9, 9], SamplingParams(max_tokens=1, temperature=0), "c")
+    assert holds.fresh_hit("c") == len(P) // BS
+    matches = []
+    find = kv.find_prefix_hit
+    kv.find_prefix_hit = lambda r: matches.append(r.request_id) or find(r)  # type: ignore[method-assign]
+    while core.has_unfinished:
+        core.step()
+    assert matches == [] and req.num_cached_tokens == len(P)
+    # Blocks cached meanwhile: d's first chunk (the whole step's budget) is registered while e
+    # waits behind it, so e's admission matches again (its hold matched once, at arrival).
+    core.add_request([*Q, 7], SamplingParams(max_tokens=1, temperature=0), "d")
+    e = core.add_request([*P, 5, 5], SamplingParams(max_tokens=1, temperature=0), "e")
+    assert holds.fresh_hit("e") == len(P) // BS
+    core.step()
+    assert holds.fresh_hit("e") is None and e.num_computed_tokens == 0
+    while core.has_unfinished:
+        core.step()
+    assert matches == ["d", "e", "d", "e"] and e.num_cached_tokens == len(P)
+    assert kv.num_free_blocks == [16]
