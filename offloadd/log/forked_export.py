@@ -38,7 +38,7 @@ from events.checkpoint_cut import Cuts, Piece
 from events.checkpoint_delta import TierTail, cut_tails
 
 _FRAME: Final = struct.Struct("<B16s16sQQ")  # kind, address, fingerprint, chunk length, end
-_SLICE_S: Final = 0.001  # in the loop: the work between two yields to it
+_SLICE_S: Final = 0.0005  # in the loop: yield once this much work was done (~1 segment)
 _REF, _DATA, _DONE = 0, 1, 2  # kinds: a chunk Redis holds; one whose bytes follow; the end
 
 

@@ -1,0 +1,180 @@
+"""What a checkpoint costs the daemon's event loop: its stalls, measured in one process.
+
+    python bench/bench_checkpoint_stall.py [--resident 1000000] [--rate 50000] [--seconds 20]
+                                           [--rounds 2] [--out bench/results/checkpoint_stall.json]
+
+The stream benchmark (bench_recovery's checkpoint cost) runs five processes on the machine and
+its p99 is mostly the machine's load; this one measures the part a checkpoint adds in the
+daemon itself. One asyncio loop holds the daemon's reducer state (``--cpu-blocks`` CPU-tier
+blocks in chains of 256, then ``--resident`` GPU blocks as shape c stores them: single-hash
+``BlockStored``, 100 per record) and runs, for ``--seconds``: a feeder applying shape c
+records at ``--rate`` block events/s, the daemon's collector policy (``gc.freeze`` four times a
+second), a probe that sleeps 1 ms and records how late it woke, once per millisecond due
+meanwhile (the loop's lag as a message arriving every ms would see it: a 15 ms stall is 15
+samples, 15 ms down to 0), and the daemon's Checkpointer
+(offloadd.log.checkpoint, on a real Redis started here) writing a checkpoint every
+``--interval-s``. Modes, alternating each round on a state rebuilt the same way: ``none`` (no
+checkpoint), ``loop`` (the default: what was appended is cut in the loop, in slices) and
+``fork`` (``checkpoint_fork_blocks`` 0: every export in a forked child). Each run first writes
+one checkpoint of the whole state, not measured (a restarted daemon's first one). Reported per
+run: lag p50/p99/p99.9/max, checkpoints written, the longest fork, the blocks cut, and the CPU
+seconds of this process and of its children (the export children).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from events.logkeys import LogKeys
+from events.schema import BlockStored, LogRecord
+from events.state import CacheState
+from offloadd.config import OffloaddConfig
+from offloadd.log.checkpoint import Checkpointer
+from offloadd.log.metadata import MetadataStore
+from tests.support.redis_proc import RedisProcess
+
+EPOCH = "e" * 16
+TOKENS = tuple(range(16))
+
+
+class Feed:
+    """Shape c records for one GPU source, and CPU-tier chains for another."""
+
+    def __init__(self, state: CacheState) -> None:
+        self.state, self.seq, self.next_hash = state, 0, 1
+
+    def gpu(self) -> None:
+        self.seq += 1
+        h = self.next_hash
+        self.next_hash += 100
+        events = tuple(BlockStored((h + j,), None, TOKENS, 16, "GPU") for j in range(100))
+        self.state.apply(LogRecord(self.state.offset + 1, "engine", 1, self.seq, 0.0, events))
+
+    def cpu(self, n: int) -> None:
+        h = 1 << 40
+        for i in range(n // 256):
+            hashes = tuple(range(h + 256 * i, h + 256 * (i + 1)))
+            self.state.apply(LogRecord(self.state.offset + 1, "offloadd", 1, i + 1, 0.0,
+                                       (BlockStored(hashes, None, TOKENS * 256, 16, "CPU"),)))
+
+
+async def one_run(url: str, mode: str, args: argparse.Namespace, run: int) -> dict[str, Any]:
+    client = aioredis.Redis.from_url(url)
+    await client.flushall()
+    keys = LogKeys(f"stall{run}")
+    await client.set(keys.epoch, EPOCH)
+    state = CacheState()
+    feed = Feed(state)
+    feed.cpu(args.cpu_blocks)
+    for _ in range(args.resident // 100):
+        feed.gpu()
+    gc.collect()
+    gc.freeze()
+    md = MetadataStore(client, keys, state)
+    cp = Checkpointer(md, OffloaddConfig(namespace=keys.namespace, checkpoint_fork_blocks=(
+        0 if mode == "fork" else OffloaddConfig.checkpoint_fork_blocks)), EPOCH)
+    if mode != "none":
+        await cp.write()  # the whole state once, as after a restart: not measured
+    loop = asyncio.get_running_loop()
+    lags: list[float] = []
+    cut: list[int] = []
+    stop = loop.time() + args.seconds
+    cpu0, kids0 = time.process_time(), os.times()
+
+    async def probe() -> None:
+        while loop.time() < stop:
+            t = loop.time()
+            await asyncio.sleep(0.001)
+            late = loop.time() - t - 0.001
+            # Each 1 ms tick due meanwhile counts (a message a ms would each have waited): a
+            # 15 ms stall is 15 samples, not one (no coordinated omission).
+            lags.extend(late - k * 0.001 for k in range(int(late / 0.001) + 1))
+
+    async def feeder() -> None:
+        start, n = loop.time(), 0
+        while loop.time() < stop:
+            n += 1
+            feed.gpu()
+            await asyncio.sleep(max(0.0, start + n * 100 / args.rate - loop.time()))
+
+    async def collector() -> None:
+        while loop.time() < stop:
+            await asyncio.sleep(0.25)
+            gc.freeze()
+
+    async def checkpoints() -> None:
+        while loop.time() + args.interval_s < stop:
+            await asyncio.sleep(args.interval_s)
+            if await cp.write() is not None:
+                cut.append(cp.stats.blocks_cut)
+
+    tasks = [probe(), feeder(), collector()] + ([checkpoints()] if mode != "none" else [])
+    await asyncio.gather(*tasks)
+    cpu, kids = time.process_time() - cpu0, os.times()
+    await client.aclose()
+    lags.sort()
+    q = statistics.quantiles(lags, n=1000)
+    return {"mode": mode, "lag_ms": {"p50": round(q[499] * 1e3, 3), "p99": round(q[989] * 1e3, 3),
+                                     "p99.9": round(q[998] * 1e3, 3), "max": round(lags[-1] * 1e3, 3)},
+            "samples": len(lags), "checkpoints": len(cut), "blocks_cut_max": max(cut, default=0),
+            "forked": cp.stats.forked, "cpu_s": round(cpu, 2),
+            "children_cpu_s": round(kids.children_user + kids.children_system
+                                    - kids0.children_user - kids0.children_system, 2),
+            "resident_end": sum(state.counts().values()), "load_1m": round(os.getloadavg()[0], 2)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu-blocks", type=int, default=100_000, help="CPU-tier blocks resident")
+    p.add_argument("--resident", type=int, default=1_000_000, help="GPU blocks resident at the start")
+    p.add_argument("--rate", type=float, default=50_000.0, help="block events/s applied meanwhile")
+    p.add_argument("--seconds", type=float, default=20.0, help="length of each run")
+    p.add_argument("--interval-s", type=float, default=2.0, help="checkpoint interval")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of the three modes")
+    p.add_argument("--modes", nargs="+", default=["none", "loop", "fork"], choices=["none", "loop", "fork"])
+    p.add_argument("--out", default="bench/results/checkpoint_stall.json")
+    args = p.parse_args()
+    if args.rounds < 1 or args.seconds <= args.interval_s:
+        p.error("--rounds must be >= 1 and --seconds longer than --interval-s")
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-stall-") as tmp:
+        redis_proc = RedisProcess(Path(tmp))
+        redis_proc.start()
+        try:
+            for r in range(args.rounds):
+                for mode in args.modes:
+                    row = asyncio.run(one_run(redis_proc.url, mode, args, len(runs)))
+                    runs.append({"round": r + 1, **row})
+                    print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+        finally:
+            redis_proc.stop()
+    summary = {m: {k: statistics.median(r["lag_ms"][k] for r in runs if r["mode"] == m)
+                   for k in ("p50", "p99", "p99.9", "max")} for m in args.modes}
+    doc = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+           "args": vars(args), "runs": runs, "median_lag_ms": summary}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    for m, s in summary.items():
+        print(f"{m:>5}: loop lag p50 {s['p50']:.2f} ms, p99 {s['p99']:.2f} ms, p99.9 {s['p99.9']:.2f} ms, "
+              f"max {s['max']:.1f} ms (medians of {args.rounds})")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
