@@ -19,7 +19,9 @@ and those events' msgpack), computed in C without a Python step per block, so an
 fingerprint means the same chunk bytes. It costs a fraction of an encoding (no chains built, no
 compression) and nothing of the daemon (DECISIONS 60: an earlier form fingerprinted events by
 ``id()`` and had the daemon hold every event alive in between; taking those references wrote to
-every event's page after each fork, a fault storm on the event loop).
+every event's page after each fork, a fault storm on the event loop). And a tier that only grew
+since the previous export is not even walked: events.checkpoint_delta reuses its segments but
+the last and cuts from there (``cut_tail``).
 """
 
 from __future__ import annotations
