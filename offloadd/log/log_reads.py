@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -37,6 +37,7 @@ class Persisted:
     layouts: list[LayoutRecord]
     engines: list[EngineRecord]
     blocks: dict[int, dict[bytes, ProjectedBlock]]
+    num_rows: dict[int, int] = field(default_factory=dict)  # layout -> its projection's rows
 
 
 class LogReads:
@@ -155,7 +156,9 @@ class LogReads:
             raise self._read_error(exc, self.keys.log) from exc
         return (int(first[0][0].split(b"-")[0]) if first else 0), int(length)
 
-    async def load(self) -> Persisted:
+    async def load_meta(self) -> Persisted:
+        """All of :class:`Persisted` but the projection's rows (``blocks`` left empty), with how
+        many rows each layout has: small reads, made while the checkpoint loads."""
         k = self.keys
         await self._check_types({k.head: "string", k.daemon: "hash", k.sources: "hash",
                                  k.layouts: "hash", k.engines: "hash", k.log: "stream"})
@@ -170,11 +173,13 @@ class LogReads:
         except (RedisError, OSError) as exc:
             raise RedisUnavailable(f"Redis unreachable during recovery: {exc}") from exc
         layout_recs = list(self._decode_all(k.layouts, layouts, projection.decode_layout).values())
-        blocks: dict[int, dict[bytes, ProjectedBlock]] = {}
-        await self._check_types({k.blocks(rec.layout_id): "hash" for rec in layout_recs})
+        block_keys = {rec.layout_id: k.blocks(rec.layout_id) for rec in layout_recs}
+        await self._check_types({key: "hash" for key in block_keys.values()})
         try:
-            for rec in layout_recs:
-                blocks[rec.layout_id] = await self.read_rows(k.blocks(rec.layout_id))
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key in block_keys.values():
+                    pipe.hlen(key)
+                lengths = await pipe.execute()
         except (RedisError, OSError) as exc:
             raise RedisUnavailable(f"Redis unreachable during recovery: {exc}") from exc
         if head is not None and not head.isdigit():
@@ -185,17 +190,26 @@ class LogReads:
             sources=self._decode_all(k.sources, sources, projection.decode_position),
             layouts=layout_recs,
             engines=list(self._decode_all(k.engines, engines, projection.decode_engine).values()),
-            blocks=blocks,
+            blocks={},
+            num_rows=dict(zip(block_keys, map(int, lengths), strict=True)),
         )
 
-    async def read_rows(self, key: str, page_rows: int = 20_000,
+    async def load_rows(self, persisted: Persisted) -> dict[int, dict[bytes, ProjectedBlock]]:
+        """The projection's rows of each layout :meth:`load_meta` found."""
+        try:
+            return {layout_id: await self.read_rows(self.keys.blocks(layout_id), num_rows)
+                    for layout_id, num_rows in persisted.num_rows.items()}
+        except (RedisError, OSError) as exc:
+            raise RedisUnavailable(f"Redis unreachable during recovery: {exc}") from exc
+
+    async def read_rows(self, key: str, num_rows: int | None = None, page_rows: int = 20_000,
                         whole_rows: int = 250_000) -> dict[bytes, ProjectedBlock]:
         """A layout's projection rows: in one HGETALL up to ``whole_rows`` of them (Redis makes
         the reply on its own core while the caller works: ~70 ms for 100k rows on the 2-core
         machine, against ~95 ms as HSCAN pages, each asked for only once the last arrived);
         beyond, paged so that no reply is large enough to hit the timeout, the next page asked
-        for before this one is decoded."""
-        if await self.client.hlen(key) <= whole_rows:
+        for before this one is decoded. ``num_rows``: HLEN, when the caller has it."""
+        if (await self.client.hlen(key) if num_rows is None else num_rows) <= whole_rows:
             return self._decode_all(key, await self.client.hgetall(key), projection.decode_block,
                                     text=False)
         rows: dict[bytes, ProjectedBlock] = {}

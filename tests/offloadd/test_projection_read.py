@@ -26,7 +26,7 @@ def _read(redis_url: str, keys: LogKeys, page_rows: int, whole_rows: int = -1) -
     async def go() -> dict[bytes, ProjectedBlock]:
         client = aioredis.Redis.from_url(redis_url)
         try:
-            return await LogReads(client, keys).read_rows(keys.blocks(1), page_rows, whole_rows)
+            return await LogReads(client, keys).read_rows(keys.blocks(1), page_rows=page_rows, whole_rows=whole_rows)
         finally:
             await client.aclose()
 
