@@ -18,7 +18,10 @@ checkpoint), ``loop`` (the default: what was appended is cut in the loop, in sli
 ``fork`` (``checkpoint_fork_blocks`` 0: every export in a forked child). Each run first writes
 one checkpoint of the whole state, not measured (a restarted daemon's first one). Reported per
 run: lag p50/p99/p99.9/max, checkpoints written, the longest fork, the blocks cut, and the CPU
-seconds of this process and of its children (the export children).
+seconds of this process and of its children (the export children). With ``--record-us`` each
+record also costs that much CPU in the loop (the daemon's gRPC, decoding and Redis work per
+batch): a loop that is that busy shows whether the export's slices leave it room (how late
+each record was applied, ``record_late_ms``).
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ async def one_run(url: str, mode: str, args: argparse.Namespace, run: int) -> di
         await cp.write()  # the whole state once, as after a restart: not measured
     loop = asyncio.get_running_loop()
     lags: list[float] = []
+    behind: list[float] = []  # how late each record was applied: the stream's queueing
     cut: list[int] = []
     stop = loop.time() + args.seconds
     cpu0, kids0 = time.process_time(), os.times()
@@ -109,8 +113,14 @@ async def one_run(url: str, mode: str, args: argparse.Namespace, run: int) -> di
         start, n = loop.time(), 0
         while loop.time() < stop:
             n += 1
+            due = start + n * 100 / args.rate
             feed.gpu()
-            await asyncio.sleep(max(0.0, start + n * 100 / args.rate - loop.time()))
+            if args.record_us:  # the rest of the daemon's work per batch (gRPC, decode, Redis)
+                until = time.perf_counter() + args.record_us * 1e-6
+                while time.perf_counter() < until:
+                    pass
+            behind.append(max(0.0, loop.time() - due))
+            await asyncio.sleep(max(0.0, due - loop.time()))
 
     async def collector() -> None:
         while loop.time() < stop:
@@ -129,8 +139,12 @@ async def one_run(url: str, mode: str, args: argparse.Namespace, run: int) -> di
     await client.aclose()
     lags.sort()
     q = statistics.quantiles(lags, n=1000)
+    behind.sort()
+    b = statistics.quantiles(behind, n=100)
     return {"mode": mode, "lag_ms": {"p50": round(q[499] * 1e3, 3), "p99": round(q[989] * 1e3, 3),
                                      "p99.9": round(q[998] * 1e3, 3), "max": round(lags[-1] * 1e3, 3)},
+            "record_late_ms": {"p50": round(b[49] * 1e3, 3), "p99": round(b[98] * 1e3, 3),
+                               "max": round(behind[-1] * 1e3, 3)},
             "samples": len(lags), "checkpoints": len(cut), "blocks_cut_max": max(cut, default=0),
             "forked": cp.stats.forked, "cpu_s": round(cpu, 2),
             "children_cpu_s": round(kids.children_user + kids.children_system
@@ -145,6 +159,8 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=50_000.0, help="block events/s applied meanwhile")
     p.add_argument("--seconds", type=float, default=20.0, help="length of each run")
     p.add_argument("--interval-s", type=float, default=2.0, help="checkpoint interval")
+    p.add_argument("--record-us", type=float, default=0.0,
+                   help="CPU spent per record besides applying it (the daemon's other work per batch)")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds of the three modes")
     p.add_argument("--modes", nargs="+", default=["none", "loop", "fork"], choices=["none", "loop", "fork"])
     p.add_argument("--out", default="bench/results/checkpoint_stall.json")

@@ -4,8 +4,9 @@
 An export cuts the blocks events.checkpoint_delta planned (``parts``: what changed since the
 previous export, or whole tiers). Few blocks (the common case: what was appended since the
 previous checkpoint) are copied at once (C speed, from each tier's end) and cut in the event
-loop, yielding to it after each ~1 ms of work: no fork, whose page-table copy stalls the loop
-longer than such a copy (DECISIONS 65). Many (a tier with removals is cut whole) go to a forked
+loop in slices of ~1 ms, each followed by a pause twice as long (the export takes at most a
+third of a busy loop, which keeps up with its streams meanwhile): no fork, whose page-table
+copy stalls the loop longer than such a copy (DECISIONS 65). Many (a tier with removals is cut whole) go to a forked
 child: ``fork()`` gives it an exact copy of the state at this instant (copy-on-write: the parent
 keeps applying records at once); the child cuts it, encodes the chunks whose segments are not
 in ``known``, and streams one frame per chunk through a pipe, ``[kind, address, fingerprint,
@@ -39,6 +40,7 @@ from events.checkpoint_delta import TierTail, cut_tails
 
 _FRAME: Final = struct.Struct("<B16s16sQQ")  # kind, address, fingerprint, chunk length, end
 _SLICE_S: Final = 0.0005  # in the loop: yield once this much work was done (~1 segment)
+_PAUSE: Final = 2.0  # ... and let the loop have twice that time: the export takes <= 1/3 of it
 _REF, _DATA, _DONE = 0, 1, 2  # kinds: a chunk Redis holds; one whose bytes follow; the end
 
 
@@ -59,8 +61,9 @@ async def export_pieces(parts: list[TierTail], cuts: Cuts, known: Mapping[bytes,
         since = loop.time()
         for piece in cut_tails(parts, cuts, known, present):
             yield piece
-            if loop.time() - since >= _SLICE_S:
-                await asyncio.sleep(0)
+            work = loop.time() - since
+            if work >= _SLICE_S:  # a busy loop keeps up with its stream meanwhile
+                await asyncio.sleep(work * _PAUSE)
                 since = loop.time()
         return
     r, w = os.pipe()
