@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.errors import EngineError
-from events.hashing import to_wire
+from events.hashing import to_wire, to_wire_many
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event, SpecKind
 
 NULL_BLOCK_ID = 0
@@ -214,7 +214,7 @@ class BlockPool:
         bs = self.block_size
         self._events.append(
             BlockStored(
-                block_hashes=tuple(map(to_wire, digests[run[0] : run[-1] + 1])),
+                block_hashes=tuple(to_wire_many(digests[run[0] : run[-1] + 1])),
                 parent_block_hash=None if parent is None else to_wire(parent),
                 # A run is consecutive blocks: one slice of the (int) token ids.
                 token_ids=tuple(token_ids[run[0] * bs : (run[-1] + 1) * bs]),

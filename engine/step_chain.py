@@ -64,6 +64,7 @@ class StepChain:
         self.enabled = eligible and enabled
         self.pending: Launched | None = None
         self._buffers: list[Tensor] = []
+        self._ready: list[torch.cuda.Event] = []
         self._turn = 0
         self.launched = 0
         """Steps launched ahead of their inputs' tokens (for tests and benchmarks)."""
@@ -83,11 +84,15 @@ class StepChain:
         n = launched.tokens.numel()
         if not self._buffers or self._buffers[0].numel() < n:
             self._buffers = [torch.empty(max(n, 64), dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._ready = [torch.cuda.Event() for _ in range(2)]
         # Two buffers: the step launched ahead writes one while the other is still to be read.
-        host = self._buffers[self._turn][:n]
+        # Each has its event, recorded again with each copy into it (a new event per step cost
+        # a create and a destroy on the host): whoever waits on it reads that buffer's copy.
+        turn = self._turn
+        host = self._buffers[turn][:n]
         self._turn ^= 1
         host.copy_(launched.tokens, non_blocking=True)
-        launched.host, launched.ready = host, torch.cuda.Event()
+        launched.host, launched.ready = host, self._ready[turn]
         launched.ready.record()
 
     def launch_ahead(self, launched: Launched, scheduler: Scheduler, kv: KVCacheManager, runner: ModelRunner,

@@ -18,10 +18,12 @@ from events.extra_keys import MultiModalItem, RequestKeys
 from events.hashing import (
     DEFAULT_SEED,
     BlockHasher,
+    HashAlgo,
     _block_payloads,
     env_hash_seed,
     int_array,
     to_wire,
+    to_wire_many,
 )
 from events.schema import BlockDigest
 
@@ -156,6 +158,17 @@ def test_digests_are_block_digests_and_to_wire_takes_their_last_8_bytes() -> Non
     assert [len(d) for d in digests] == [32, 32]
     assert hasher.hash_block(digests[0], [3, 4]) == digests[1]
     assert to_wire(digests[1]) == int.from_bytes(digests[1][-8:], "big")
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "xxh3_128_cbor"])
+def test_to_wire_many_is_to_wire_of_each(algo: HashAlgo) -> None:
+    digests = BlockHasher(seed="0", block_size=4, algo=algo).hash_blocks(list(range(4 * 300)))
+    assert to_wire_many(digests) == [to_wire(d) for d in digests]
+    assert to_wire_many(digests[:1]) == [to_wire(digests[0])] and to_wire_many([]) == []
+    # Mixed lengths (even ones that join to a multiple of one) and 8-byte digests: each read alone.
+    mixed = [b"\x01" * 24 + (7).to_bytes(8, "big"), b"\x02" * 8 + (9).to_bytes(8, "big"), b"\x03" * 40 + (5).to_bytes(8, "big")]
+    assert to_wire_many(mixed) == [7, 9, 5]
+    assert to_wire_many([(5).to_bytes(8, "big"), (2**64 - 1).to_bytes(8, "big")]) == [5, 2**64 - 1]
 
 
 def test_default_seed_is_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
