@@ -9,6 +9,7 @@ import pytest
 
 from events.checkpoint_cut import pieces
 from events.schema import BlockRemoved, BlockStored
+from offloadd.config import ConfigError, OffloaddConfig
 from offloadd.log.checkpoint import CheckpointFailed, Manifest
 from tests.offloadd.test_checkpoint_incremental import Rig, scenario
 
@@ -70,3 +71,8 @@ def test_a_failed_checkpoint_between_two_leaves_the_next_exact(redis_url: str, n
         assert await rig.restored() == rig.md.state
 
     scenario(redis_url, namespace, body)
+
+
+def test_a_negative_fork_threshold_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="checkpoint_fork_blocks: must be >= 0"):
+        OffloaddConfig(checkpoint_fork_blocks=-1)
