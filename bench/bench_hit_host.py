@@ -71,17 +71,20 @@ def _wrap(engine: Any, spent: dict[str, float]) -> list[tuple[Any, str]]:
         fn = getattr(obj, name, None) if obj is not None else None
         if fn is None:
             continue
-
-        def run(*args: Any, _fn: Callable[..., Any] = fn, _name: str = name, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t0
-
-        setattr(obj, name, run)
+        setattr(obj, name, _timed(fn, name, spent))
         done.append((obj, name))
     return done
+
+
+def _timed(fn: Callable[..., Any], name: str, spent: dict[str, float]) -> Callable[..., Any]:
+    """``fn`` adding its wall time to ``spent[name]``."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+    return run
 
 
 def _wrap_classes(spent: dict[str, float]) -> list[tuple[Any, str, Any]]:
@@ -94,15 +97,7 @@ def _wrap_classes(spent: dict[str, float]) -> list[tuple[Any, str, Any]]:
         fn = getattr(cls, name, None) if cls is not None else None
         if fn is None:
             continue
-
-        def run(*args: Any, _fn: Callable[..., Any] = fn, _name: str = name, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t0
-
-        setattr(cls, name, run)
+        setattr(cls, name, _timed(fn, name, spent))
         done.append((cls, name, fn))
     return done
 
