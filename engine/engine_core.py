@@ -266,7 +266,7 @@ class EngineCore:
         for r in launched.requests:
             if r.is_finished:
                 continue
-            if len(r.output_token_ids) + 1 < r.max_tokens and r.num_tokens + 1 < self.max_model_len:
+            if not r.next_token_ends_by_length(self.max_model_len):
                 return
             self.kv.free(r)
 

@@ -84,6 +84,11 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def next_token_ends_by_length(self, max_model_len: int) -> bool:
+        """Whether the token being computed ends this request by length, whatever it is (as
+        engine.output_text.next_output will find once it is appended)."""
+        return len(self.output_token_ids) + 1 >= self.max_tokens or self.num_tokens + 1 >= max_model_len
+
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

@@ -105,9 +105,8 @@ class StepChain:
                 or len(reqs) != len(launched.scheduled) or len(reqs) != len(running)
                 or any(a is not b for a, b in zip(reqs, running, strict=True))):
             return None
-        for r in reqs:
-            if len(r.output_token_ids) + 1 >= r.max_tokens or r.num_tokens + 1 >= max_model_len:
-                return None  # stops by length on the token being read: nothing to launch
+        if any(r.next_token_ends_by_length(max_model_len) for r in reqs):
+            return None  # stops by length on the token being read: nothing to launch
         if not all(kv.allocate_slots(r, 1) for r in reqs):
             return None  # short of blocks: the scheduler decides (preemption) once tokens are in
         sched = [ScheduledRequest(r, r.num_computed_tokens, 1) for r in reqs]

@@ -18,7 +18,7 @@ while the state moves on: in the daemon's loop in slices, or in a forked child.
 from __future__ import annotations
 
 from collections.abc import Container, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 
 from events.checkpoint_cut import Cuts, Piece, cut_tail
@@ -66,7 +66,7 @@ class TierTail:
     def copied(self) -> TierTail:
         """This part with its blocks copied from the live tier now."""
         keys, values = self.blocks()
-        return TierTail(self.tier, self.edits, self.kept, self.start, self.length, None, keys, values)
+        return replace(self, live=None, keys=keys, values=values)
 
     def blocks(self) -> tuple[list[int], list[BlockStored]]:
         if self.keys is not None and self.values is not None:

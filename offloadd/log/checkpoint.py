@@ -213,10 +213,7 @@ class Checkpointer:
         try:
             async with contextlib.aclosing(chunks):
                 async for piece in chunks:
-                    try:
-                        book.add(piece)
-                    except ValueError as exc:
-                        raise ExportFailed(str(exc)) from exc
+                    book.add(piece)  # ValueError: a piece that does not fit (below)
                     addresses.append(piece.address)
                     size += piece.length
                     if piece.data is not None and piece.address not in present:

@@ -11,7 +11,7 @@ from pathlib import Path
 from offloadd.client import GroupQuery, OffloadClient
 from offloadd.edge.server import VERIFY_BATCH
 from tests.offloadd.conftest import SLOT
-from tests.offloadd.test_restart import fill
+from tests.offloadd.test_restart import fill, flip_byte
 from tests.support.offloadd_proc import DaemonProcess
 
 
@@ -33,10 +33,7 @@ def test_every_restored_block_is_checked_in_steps(tmp_path: Path, redis_url: str
         with OffloadClient(proc.target) as c:
             hashes = fill(c, n)
             proc.kill()
-            chunk = proc.arena_dir / f"kvd-{namespace}-L1-C0"
-            data = bytearray(chunk.read_bytes())
-            data[5 * SLOT] ^= 0xFF  # one block in the first step
-            chunk.write_bytes(bytes(data))
+            flip_byte(proc, namespace, 5 * SLOT)  # one block in the first step
             proc.restart()
             line = _verified_line(proc)
             assert (line["num_verified"], line["num_failed"]) == (n - 1, 1)

@@ -41,6 +41,14 @@ def fill(client: OffloadClient, n: int, per_commit: int = 250, salt: str = "") -
     return [b.block_hash for b in blocks]
 
 
+def flip_byte(proc: DaemonProcess, namespace: str, offset: int) -> None:
+    """Corrupt the byte at ``offset`` of the daemon's first arena chunk (daemon stopped)."""
+    chunk = proc.arena_dir / f"kvd-{namespace}-L1-C0"
+    data = bytearray(chunk.read_bytes())
+    data[offset] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+
+
 def test_kill9_restart_same_state_same_bytes(tmp_path: Path, redis_url: str, namespace: str) -> None:
     proc = DaemonProcess(tmp_path / "d", redis_url, namespace, capacity_bytes=4096 * SLOT)
     proc.start()
@@ -93,10 +101,7 @@ def test_corrupt_block_dropped_on_restart(tmp_path: Path, redis_url: str, namesp
         with OffloadClient(proc.target) as c:
             hashes = fill(c, 3)
             proc.kill()
-            chunk = proc.arena_dir / f"kvd-{namespace}-L1-C0"
-            data = bytearray(chunk.read_bytes())
-            data[SLOT + 5] ^= 0xFF  # slot 1
-            chunk.write_bytes(bytes(data))
+            flip_byte(proc, namespace, SLOT + 5)  # slot 1
             proc.restart()
             deadline = time.monotonic() + 5  # the background verifier finds it, no Lookup needed
             while c.stats().log_offset < 2 and time.monotonic() < deadline:
@@ -174,10 +179,7 @@ def test_unverified_block_is_checked_before_it_is_served(
         with OffloadClient(proc.target) as c:
             hashes = fill(c, 2000)
             proc.kill()
-            chunk = proc.arena_dir / f"kvd-{namespace}-L1-C0"
-            data = bytearray(chunk.read_bytes())
-            data[1999 * SLOT] ^= 0xFF  # the last block of the chain
-            chunk.write_bytes(bytes(data))
+            flip_byte(proc, namespace, 1999 * SLOT)  # the last block of the chain
             proc.restart()
             found = c.lookup("e", [GroupQuery(0, tuple(hashes))])  # immediately
             assert found.results[0].num_prefix == 1999
