@@ -19,9 +19,9 @@ and those events' msgpack), computed in C without a Python step per block, so an
 fingerprint means the same chunk bytes. It costs a fraction of an encoding (no chains built, no
 compression) and nothing of the daemon (DECISIONS 60: an earlier form fingerprinted events by
 ``id()`` and had the daemon hold every event alive in between; taking those references wrote to
-every event's page after each fork, a fault storm on the event loop). And a tier that only grew
-since the previous export is not even walked: events.checkpoint_delta reuses its segments but
-the last and cuts from there (``cut_tail``).
+every event's page after each fork, a fault storm on the event loop). And a tier is not even
+walked where it did not change since the previous export: events.checkpoint_delta reuses those
+segments and cuts only the rest (``cut_tail``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import zlib
 from array import array
-from collections.abc import Container, Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count
 
@@ -69,14 +69,17 @@ class Cuts:
 @dataclass(frozen=True)
 class Piece:
     """One chunk of a checkpoint, in order: its address and length, the fingerprint of the
-    segment it holds, its bytes unless Redis holds them already (``data`` None), and where the
-    segment ends in its tier (a position in insertion order; the tier's length for its last)."""
+    segment it holds, its bytes unless Redis holds them already (``data`` None), where the
+    segment ends in its tier (a position in insertion order; the tier's length for its last)
+    and, from the cut that made it, the segment's block hashes (``keys``: what a checkpoint
+    writer maps back to segments, events.checkpoint_delta; None on a piece reused uncut)."""
 
     address: str
     length: int
     fingerprint: bytes
     data: bytes | None
     end: int = 0
+    keys: Sequence[int] | None = None
 
 
 def segments(keys: list[int], cuts: Cuts) -> Iterator[tuple[int, int]]:
@@ -170,11 +173,11 @@ def cut_tail(source: str, medium: Medium, group: int, start: int, keys: list[int
         fp = fingerprint(source, medium, group, part, events)
         hit = known.get(fp)
         if hit is not None and hit[0] in present:
-            yield Piece(hit[0], hit[1], fp, None, start + b)
+            yield Piece(hit[0], hit[1], fp, None, start + b, part)
             continue
         data = encode_segment(source, medium, group, dict(zip(part, events, strict=True)), part)
         address = chunk_address(data)
-        yield Piece(address, len(data), fp, None if address in present else data, start + b)
+        yield Piece(address, len(data), fp, None if address in present else data, start + b, part)
 
 
 def fences(state: CacheState) -> tuple[tuple[str, int, int], ...]:

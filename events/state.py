@@ -22,7 +22,7 @@ from events.schema import (
     Medium,
     validate_event,
 )
-from events.state_apply import TierKey, apply_events
+from events.state_apply import TierChanges, TierEdits, TierKey, apply_events
 from events.state_chains import export_tier
 from events.state_tier import BlockEntry, Tier, TierView, store
 
@@ -77,7 +77,9 @@ class CacheState:
         self._tiers: dict[str, dict[TierKey, Tier]] = {}
         self._fences: dict[str, tuple[int, int]] = {}
         # Per source and tier, changes other than appends (events.state_apply; :meth:`edits`).
-        self._edits: dict[str, dict[TierKey, int]] = {}
+        self._edits: dict[str, TierEdits] = {}
+        # Per source and tier, what those changes were, while a checkpoint writer tracks them.
+        self._changes: dict[str, dict[TierKey, TierChanges]] | None = None
         self.violations: list[Violation] = []
 
     @property
@@ -113,7 +115,7 @@ class CacheState:
             tiers = self._tiers[source] = {}
         edits = self._edits.get(source)
         if edits is None:
-            edits = self._edits[source] = {}
+            edits = self._new_edits(source)
         apply_events(tiers, record.events, offset, source, self._violate, edits)
         return ApplyResult.APPLIED
 
@@ -155,9 +157,38 @@ class CacheState:
         return ApplyResult.APPLIED
 
     def _bump(self, source: str, keys: Iterable[TierKey]) -> None:
-        edits = self._edits.setdefault(source, {})
+        """The tiers ``keys`` of ``source`` are replaced or cleared."""
+        edits = self._edits.get(source) or self._new_edits(source)
         for key in keys:
-            edits[key] = edits.get(key, 0) + 1
+            journal = edits.bump(key)
+            if journal is not None:
+                journal.mark_reset()
+
+    def _new_edits(self, source: str) -> TierEdits:
+        changes = None if self._changes is None else self._changes.setdefault(source, {})
+        edits = self._edits[source] = TierEdits(changes)
+        return edits
+
+    def track_changes(self) -> None:
+        """Record, from now on, what each change other than an append was (the hashes
+        removed, the hashes stored again, a tier cleared or replaced), for
+        :meth:`take_changes`: what an incremental checkpoint needs to re-cut only the
+        segments a removal touched (events.checkpoint_delta). Off by default: a consumer that
+        never takes them would keep every removed hash."""
+        if self._changes is None:
+            self._changes = {}
+            for source, edits in self._edits.items():
+                edits.changes = self._changes.setdefault(source, {})
+
+    def take_changes(self) -> dict[tuple[str, Medium, int], TierChanges]:
+        """What changed per tier other than by appends since the last call (or since
+        :meth:`track_changes`), and forget it; empty when not tracking."""
+        out: dict[tuple[str, Medium, int], TierChanges] = {}
+        for source, per_tier in (self._changes or {}).items():
+            for (medium, group), changes in per_tier.items():
+                out[(source, medium, group)] = changes
+            per_tier.clear()  # the same dict: the source's TierEdits holds it
+        return out
 
     def _violate(self, offset: int, source: str, kind: str, detail: str) -> None:
         self.violations.append(Violation(offset, source, kind, detail))
@@ -230,7 +261,8 @@ class CacheState:
         tier at least as long: the second is the first with blocks appended (what an
         incremental checkpoint relies on, events.checkpoint_cut). One bump per event, not per
         block, on the apply path."""
-        return self._edits.get(source, {}).get((medium, group_idx), 0)
+        edits = self._edits.get(source)
+        return 0 if edits is None else edits.get((medium, group_idx), 0)
 
     def tiers(self) -> Iterator[tuple[str, Medium, int, Tier]]:
         """``(source, medium, group_idx, tier)`` for each tier, sources sorted; each tier is the

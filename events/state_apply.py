@@ -28,17 +28,60 @@ TierKey = tuple[Medium, int]  # (medium, group_idx)
 Violate = Callable[[int, str, str, str], None]  # (offset, source, kind, detail)
 
 
+class TierChanges:
+    """What changed in one tier other than appends, since it was last taken
+    (CacheState.take_changes): hashes removed, hashes stored again in place, or the tier
+    cleared or replaced (``reset``: what it held before does not matter any more)."""
+
+    __slots__ = ("removed", "reset", "rewritten")
+
+    def __init__(self) -> None:
+        self.removed: list[int] = []
+        self.rewritten: list[int] = []
+        self.reset = False
+
+    def mark_reset(self) -> None:
+        self.removed, self.rewritten, self.reset = [], [], True
+
+
+class TierEdits(dict[TierKey, int]):
+    """One source's edit counts per tier (CacheState.edits) and, while a checkpoint writer
+    tracks them (CacheState.track_changes), its :class:`TierChanges` per tier. Both are
+    written only on the paths that change a tier other than by appending (a removal, a
+    hash stored again, a clear), never on an append."""
+
+    __slots__ = ("changes",)
+
+    def __init__(self, changes: dict[TierKey, TierChanges] | None = None) -> None:
+        super().__init__()
+        self.changes = changes
+
+    def bump(self, key: TierKey) -> TierChanges | None:
+        """Count a change of the tier; its journal when changes are tracked."""
+        self[key] = self.get(key, 0) + 1
+        return None if self.changes is None else self.journal(key)
+
+    def journal(self, key: TierKey) -> TierChanges:
+        """The tier's TierChanges (changes tracked only)."""
+        assert self.changes is not None
+        got = self.changes.get(key)
+        if got is None:
+            got = self.changes[key] = TierChanges()
+        return got
+
+
 def apply_events(
     tiers: dict[TierKey, Tier],
     events: Iterable[Event],
     offset: int,
     source: str,
     violate: Violate,
-    edits: dict[TierKey, int],
+    edits: TierEdits,
 ) -> None:
     """Apply ``events`` to one source's ``tiers``. ``edits`` counts, per tier, the changes that
     are not blocks appended at its end (a removal, a hash stored again, the tier cleared): one
-    bump per event, never per block (CacheState.edits)."""
+    bump per event, never per block (CacheState.edits); while changes are tracked it also
+    records which hashes they were (CacheState.take_changes)."""
     for event in events:
         if type(event) is BlockStored:
             hashes = event.block_hashes
@@ -72,14 +115,18 @@ def apply_events(
                 if n == 1:  # vLLM's common event: one check, no loop
                     h = hashes[0]
                     if h in tier:  # stored again: changed in place
-                        edits[key] = edits.get(key, 0) + 1
+                        journal = edits.bump(key)
+                        if journal is not None:
+                            journal.rewritten.append(h)
                     tier[h] = event
                     continue
                 before = len(tier)
                 for h in hashes:
                     tier[h] = event
                 if len(tier) - before != n:  # a hash stored again: changed in place
-                    edits[key] = edits.get(key, 0) + 1
+                    journal = edits.bump(key)
+                    if journal is not None:
+                        journal.rewritten.extend(hashes)
                 continue
         elif type(event) is BlockRemoved:
             hashes = event.block_hashes
@@ -103,7 +150,7 @@ def _apply_checked(
     offset: int,
     source: str,
     violate: Violate,
-    edits: dict[TierKey, int],
+    edits: TierEdits,
 ) -> None:
     """The general path: any event type (subclasses included), validated first."""
     try:
@@ -123,13 +170,17 @@ def _apply_checked(
         for h in event.block_hashes:
             tier[h] = event
         if len(tier) - before != len(event.block_hashes):
-            edits[key] = edits.get(key, 0) + 1
+            journal = edits.bump(key)
+            if journal is not None:
+                journal.rewritten.extend(event.block_hashes)
     elif isinstance(event, BlockRemoved):
         _remove(tiers, event, offset, source, violate, edits)
     else:
         for key in [k for k in tiers if event.medium is None or k[0] == event.medium]:
             del tiers[key]
-            edits[key] = edits.get(key, 0) + 1
+            journal = edits.bump(key)
+            if journal is not None:
+                journal.mark_reset()
 
 
 def _orphan(violate: Violate, offset: int, source: str, event: BlockStored) -> None:
@@ -149,7 +200,7 @@ def _remove(
     offset: int,
     source: str,
     violate: Violate,
-    edits: dict[TierKey, int],
+    edits: TierEdits,
 ) -> None:
     key = (event.medium, event.group_idx)
     tier = tiers.get(key)
@@ -157,6 +208,8 @@ def _remove(
         tier = {}
     elif tier:
         edits[key] = edits.get(key, 0) + 1  # a hole (or none: counted anyway, once per event)
+        if edits.changes is not None:  # inline: a GPU tier evicts in every batch
+            edits.journal(key).removed.extend(event.block_hashes)
     for h in event.block_hashes:
         if tier.pop(h, None) is None:  # stored values are events, never None
             violate(

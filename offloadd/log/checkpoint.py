@@ -11,10 +11,11 @@ Writing (:class:`Checkpointer`, a background task of the daemon):
 1. the snapshot is the reducer's state at its offset O (records reach the reducer only once the
    log holds them, so the state at O is what the log holds up to O): of a tier that only grew
    since the previous checkpoint, only the blocks from that one's last segment on are cut
-   again (events.checkpoint_delta), copied at O and cut in the loop in ~1 ms slices; when
-   more than ``checkpoint_fork_blocks`` are to be cut (a tier with removals is cut whole), a
-   forked child cuts them from its copy-on-write copy (offloadd.log.forked_export, DECISIONS
-   65);
+   again (events.checkpoint_delta), and of a tier with removals only the segments they
+   touched (events.checkpoint_dirty, DECISIONS 68), copied at O and cut in the loop in ~1 ms
+   slices; when more than ``checkpoint_fork_blocks`` are to be cut (the first checkpoint after
+   a start, a tier cleared), a forked child cuts them from its copy-on-write copy
+   (offloadd.log.forked_export, DECISIONS 65);
 2. the chunks are content-addressed and shared between checkpoints (format 2 of
    events.checkpoint, cut by events.checkpoint_cut, DECISIONS 60): a tier cut whole re-encodes
    only the segments whose content fingerprint the last checkpoint written did not have; bytes
@@ -125,8 +126,10 @@ class Checkpointer:
         self.fork_blocks = config.checkpoint_fork_blocks  # more blocks to cut than this: forked
         self.store = CheckpointStore(md, epoch)
         self._pointer: bytes | None = None  # the pointer as last read or written
-        # The last written checkpoint's cut, per tier (events.checkpoint_delta).
+        # The last written checkpoint's cut, per tier (events.checkpoint_delta), and what
+        # changed since in the reducer besides appends (the segments a removal touched).
         self._book = CutBook()
+        self.track_removals = True  # False: a tier with removals is cut whole (as before 68)
 
     async def run(self) -> None:
         cfg = self.config
@@ -200,7 +203,11 @@ class Checkpointer:
         offset = state.offset  # no await from here to the copy or the fork in export_pieces
         ckpt_id = checkpoint_id(self.epoch, offset)
         sources, fork_s = fences(state), list[float]()
-        parts = tails(state, book.cuts, present, copy=False)
+        state.track_changes()  # from the first export on (what it cuts is the reference)
+        changes = state.take_changes()
+        book.open(changes if self.track_removals else {})
+        parts = tails(state, book.cuts, present, copy=False, book=book if self.track_removals else None,
+                      cuts=self.cuts, limit=self.fork_blocks if self.fork else None)
         todo = sum(p.todo for p in parts)
         fork = fork and todo > self.fork_blocks
         book.begin(parts)

@@ -6,11 +6,14 @@ previous export, or whole tiers). Few blocks (the common case: what was appended
 previous checkpoint) are copied at once (C speed, from each tier's end) and cut in the event
 loop in slices of ~1 ms, each followed by a pause twice as long (the export takes at most a
 third of a busy loop, which keeps up with its streams meanwhile): no fork, whose page-table
-copy stalls the loop longer than such a copy (DECISIONS 65). Many (a tier with removals is cut whole) go to a forked
+copy stalls the loop longer than such a copy (DECISIONS 65). Many (the first export after a start, a
+tier cleared, removals all over a tier) go to a forked
 child: ``fork()`` gives it an exact copy of the state at this instant (copy-on-write: the parent
 keeps applying records at once); the child cuts it, encodes the chunks whose segments are not
 in ``known``, and streams one frame per chunk through a pipe, ``[kind, address, fingerprint,
-length, end]`` then the bytes unless Redis holds them already (``present``), ended by a done
+length, end, number of keys]``, the segment's block hashes (8 bytes each: the parent maps them
+to the segment, events.checkpoint_delta), then the bytes unless Redis holds them already
+(``present``), ended by a done
 frame; then it exits with ``os._exit`` (no atexit, no finalizers, no asyncio, no gRPC in the
 child). The parent only reads frames and writes new chunks to Redis. A child that dies or
 writes a torn stream fails the checkpoint (the previous one stays in force). Without
@@ -32,13 +35,14 @@ import os
 import signal
 import struct
 import time
+from array import array
 from collections.abc import AsyncGenerator, Container, Mapping
 from typing import Final, NoReturn
 
 from events.checkpoint_cut import Cuts, Piece
 from events.checkpoint_delta import TierTail, cut_tails
 
-_FRAME: Final = struct.Struct("<B16s16sQQ")  # kind, address, fingerprint, chunk length, end
+_FRAME: Final = struct.Struct("<B16s16sQQQ")  # kind, address, fingerprint, chunk length, end, keys
 _SLICE_S: Final = 0.0005  # in the loop: yield once this much work was done (~1 segment)
 _PAUSE: Final = 2.0  # ... and let the loop have twice that time: the export takes <= 1/3 of it
 _REF, _DATA, _DONE = 0, 1, 2  # kinds: a chunk Redis holds; one whose bytes follow; the end
@@ -92,14 +96,16 @@ async def export_pieces(parts: list[TierTail], cuts: Cuts, known: Mapping[bytes,
     try:
         while True:
             try:
-                kind, address, fp, length, end = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+                kind, address, fp, length, end, num_keys = _FRAME.unpack(
+                    await reader.readexactly(_FRAME.size))
                 if kind == _DONE:
                     done = True
                     break
+                keys = array("Q", await reader.readexactly(8 * num_keys))
                 data = await reader.readexactly(length) if kind == _DATA else None
             except asyncio.IncompleteReadError:
                 break
-            yield Piece(address.hex(), length, fp, data, end)
+            yield Piece(address.hex(), length, fp, data, end, keys)
     finally:
         transport.close()
         if not done:
@@ -127,11 +133,13 @@ def _child(parts: list[TierTail], args: tuple[Cuts, Mapping[bytes, tuple[str, in
         with open(w, "wb", closefd=True) as out:
             for piece in cut_tails(parts, *args):
                 kind = _REF if piece.data is None else _DATA
+                keys = array("Q", piece.keys or ())
                 out.write(_FRAME.pack(kind, bytes.fromhex(piece.address), piece.fingerprint,
-                                      piece.length, piece.end))
+                                      piece.length, piece.end, len(keys)))
+                out.write(keys.tobytes())
                 if piece.data is not None:
                     out.write(piece.data)
-            out.write(_FRAME.pack(_DONE, b"", b"", 0, 0))
+            out.write(_FRAME.pack(_DONE, b"", b"", 0, 0, 0))
         code = 0
     finally:
         os._exit(code)

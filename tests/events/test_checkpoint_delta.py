@@ -1,6 +1,7 @@
-"""A checkpoint that cuts only what changed (events.checkpoint_delta): after any mix of changes
-its chunks are exactly those of a full cut of the same state, and a tier that only grew is cut
-from its previous last segment on, not from its start."""
+"""A checkpoint that cuts only what changed (events.checkpoint_delta, events.checkpoint_dirty):
+after any mix of changes its chunks are exactly those of a full cut of the same state, a tier
+that only grew is cut from its previous last segment on, not from its start, and a tier with
+removals keeps the segments they did not touch."""
 
 from __future__ import annotations
 
@@ -18,18 +19,26 @@ class Delta:
     """What the daemon's Checkpointer does around the delta cut: the book of the previous cut,
     the addresses Redis holds (here: a dict)."""
 
-    def __init__(self, state: CacheState) -> None:
+    def __init__(self, state: CacheState, removals: bool = True) -> None:
         self.state = state
+        self.removals = removals  # False: the book knows no removals (a tier with any cut whole)
+        state.track_changes()
         self.book = CutBook()
         self.store: dict[str, bytes] = {}
         self.cut = 0  # blocks the last export cut
 
-    def export(self) -> list[Piece]:
-        parts = tails(self.state, self.book.cuts, self.store)
+    def export(self, stop_after: int | None = None) -> list[Piece]:
+        """One export; ``stop_after`` pieces: one that fails there (never committed)."""
+        changes = self.state.take_changes()
+        self.book.open(changes if self.removals else {})
+        parts = tails(self.state, self.book.cuts, self.store, book=self.book if self.removals else None,
+                      cuts=CUTS)
         self.cut = sum(p.todo for p in parts)
         self.book.begin(parts)
         got = []
         for piece in cut_tails(parts, CUTS, self.book.known(self.store), self.store):
+            if len(got) == stop_after:
+                return got
             self.book.add(piece)
             got.append(piece)
             if piece.data is not None:
@@ -71,7 +80,7 @@ def test_appends_cut_only_the_last_segment_on() -> None:
     assert d.cut <= 2 * CUTS.max  # nothing new: each tier's last segment only
 
 
-def test_every_other_change_cuts_the_tier_whole_and_stays_exact() -> None:
+def test_every_kind_of_change_stays_exact() -> None:
     log = Log()
     grow(log, "a", 1, 400)
     grow(log, "b", 1, 100)
@@ -155,3 +164,79 @@ def test_random_changes_stay_exact() -> None:
         d.check()
         partial += d.cut < sum(log.state.counts().values())
     assert partial > 10  # many of them cut only a part
+
+
+def test_removals_at_the_front_keep_the_segments_behind_them() -> None:
+    """An LRU tier in steady state: the oldest blocks go as new ones come."""
+    log = Log()
+    grow(log, "a", 1, 2000)
+    d, whole = Delta(log.state), Delta(log.state, removals=False)
+    d.check()
+    whole.export()
+    for step in range(5):
+        log.put("a", BlockRemoved(tuple(range(1 + 40 * step, 41 + 40 * step)), "GPU"))
+        grow(log, "a", 10_000 + 40 * step, 40)
+        d.check()
+        whole.export()
+        assert whole.cut == 2000  # before: the tier cut whole
+        assert d.cut <= 40 + 3 * CUTS.max  # now: around the removals and the tail
+    assert d.book.maps[("a", "GPU", 0)].keys() == set(log.state.resident("a", "GPU"))
+
+
+def test_a_removal_in_the_middle_and_a_hash_stored_again_cut_their_segments_only() -> None:
+    log = Log()
+    grow(log, "a", 1, 3000)
+    d = Delta(log.state)
+    d.check()
+    log.put("a", BlockRemoved((1500,), "GPU"))
+    d.check()
+    assert d.cut <= 3 * CUTS.max
+    log.put("a", stored([700], tok=5))  # in place, other tokens
+    d.check()
+    assert d.cut <= 3 * CUTS.max
+    log.put("a", BlockRemoved(tuple(range(1000, 1200)), "GPU"))  # whole segments gone
+    grow(log, "a", 1000, 10)  # and some of them back, at the end
+    d.check()
+    assert d.cut <= 200 + 4 * CUTS.max
+
+
+def test_an_export_never_committed_leaves_the_next_exact() -> None:
+    log = Log()
+    grow(log, "a", 1, 600)
+    d = Delta(log.state)
+    d.check()
+    log.put("a", BlockRemoved((10, 20, 300), "GPU"))
+    grow(log, "a", 700, 20)
+    d.export(stop_after=1)  # Redis went away midway: no commit
+    log.put("a", BlockRemoved((400,), "GPU"))
+    d.check()  # its map dropped: cut whole, exact
+    assert d.cut == len(log.state.resident("a", "GPU"))
+    log.put("a", BlockRemoved((500,), "GPU"))
+    d.check()  # the map built again by that whole cut
+    assert d.cut < 100
+
+
+def test_random_removals_and_appends_stay_exact_and_mostly_partial() -> None:
+    rng = random.Random(11)
+    log = Log()
+    grow(log, "a", 1, 1500)
+    d = Delta(log.state)
+    d.check()
+    have, next_hash, partial = list(range(1, 1501)), 5000, 0
+    for _ in range(40):
+        if rng.random() < 0.5:  # the oldest go (LRU)
+            k = rng.randint(1, 30)
+            gone, have = have[:k], have[k:]
+        else:  # anywhere
+            gone = rng.sample(have, rng.randint(1, 4))
+            have = [h for h in have if h not in gone]
+        log.put("a", BlockRemoved(tuple(gone), "GPU"))
+        n = rng.randint(0, 30)
+        grow(log, "a", next_hash, n)
+        have.extend(range(next_hash, next_hash + n))
+        next_hash += n
+        if rng.random() < 0.2:
+            log.put("a", stored([rng.choice(have)], tok=rng.randint(1, 99)))
+        d.check()
+        partial += d.cut < len(have) // 2
+    assert partial > 30

@@ -239,3 +239,28 @@ def test_restore_replaces_the_state_in_place_and_keeps_the_violations() -> None:
     with pytest.raises(SchemaError):
         state.restore(bad)  # one token for a block of two
     assert state == other and state.offset == 1
+
+
+def test_changes_other_than_appends_are_recorded_only_while_tracked() -> None:
+    log, state = Log(), CacheState()
+    state.apply(log.rec("e", stored([1, 2, 3], None), stored([7], None, "CPU")))
+    state.apply(log.rec("e", BlockRemoved((2,), "GPU")))
+    assert state.take_changes() == {}  # not tracked: nothing kept
+    state.track_changes()
+    state.apply(log.rec("e", stored([4], 3)))  # an append: not a change
+    state.apply(log.rec("e", BlockRemoved((1,), "GPU"), stored([3], None), stored([5, 3], 4)))
+    state.apply(log.rec("e", BlockRemoved((9,), "GPU", 1)))  # a tier that does not exist
+    got = state.take_changes()
+    gpu = got[("e", "GPU", 0)]
+    assert (gpu.removed, gpu.rewritten, gpu.reset) == ([1], [3, 5, 3], False)
+    assert list(got) == [("e", "GPU", 0)] and state.take_changes() == {}  # taken: forgotten
+    state.apply(log.rec("e", AllBlocksCleared("CPU"), BlockRemoved((4,), "GPU")))
+    state.apply(log.rec("f", stored([1], None)))  # a new source, tracked from its first record
+    state.apply(log.rec("f", BlockRemoved((1,), "GPU")))
+    got = state.take_changes()
+    assert got[("e", "CPU", 0)].reset and got[("e", "GPU", 0)].removed == [4]
+    assert got[("f", "GPU", 0)].removed == [1]
+    state.apply(log.rec("e", stored([8], None), inc=2))  # a new incarnation replaces its tiers
+    assert state.take_changes()[("e", "GPU", 0)].reset
+    state.restore(Snapshot(0, ()))  # every tier replaced, an emptied one too
+    assert {t for t, c in state.take_changes().items() if c.reset} == {("e", "GPU", 0), ("f", "GPU", 0)}

@@ -1,5 +1,5 @@
-"""The daemon's checkpoints cut only what was appended (events.checkpoint_delta) on a real
-Redis: in the loop or in a forked child, each checkpoint lists exactly the chunks of a full cut
+"""The daemon's checkpoints cut only what was appended or around what was removed
+(events.checkpoint_delta) on a real Redis: in the loop or in a forked child, each checkpoint lists exactly the chunks of a full cut
 of the state at its offset, recovery from it is the state, and a checkpoint that failed between
 two leaves the previous in force and the next one exact."""
 
@@ -40,10 +40,17 @@ def test_appends_are_cut_alone_and_recovery_is_the_state(redis_url: str, namespa
             assert 40 < rig.cp.stats.blocks_cut <= 40 + 2 * rig.cp.cuts.max  # not 2000
             assert rig.cp.stats.forked == forked
             assert await rig.restored() == rig.md.state
-        await rig.put(BlockRemoved((1000,), "GPU"))  # a hole: that tier is cut whole, though
-        await rig.store(9000, 60)  # it is longer than it was
+        # A hole: in the loop only the segments it touched are cut again; forked (any cut is
+        # "more than 0 blocks") the tier is cut whole, and the child sends its segments' hashes.
+        await rig.put(BlockRemoved((1000,), "GPU"))
+        await rig.store(9000, 60)
         await written(rig)
-        assert rig.cp.stats.blocks_cut > 2000
+        assert (rig.cp.stats.blocks_cut > 2000) == forked
+        assert await rig.restored() == rig.md.state
+        rig.cp.fork_blocks = 1_000_000  # in the loop from here: what that cut mapped is used
+        await rig.put(BlockRemoved((10, 1500, 9010), "GPU"))
+        await written(rig)
+        assert rig.cp.stats.blocks_cut < 200 and not rig.cp.stats.forked
         assert await rig.restored() == rig.md.state
 
     scenario(redis_url, namespace, body)
