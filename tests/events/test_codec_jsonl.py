@@ -27,17 +27,22 @@ def test_line_format_and_tuples() -> None:
     ev = BlockStored((2**64 - 1,), None, (1,), 1, "CPU", extra_keys=(("ad", [1]),))
     record = LogRecord(3, "d", 1, 2, 1.5, (ev, AllBlocksCleared()))
     line = encode_record(record)
-    assert line == (
+    assert line == (  # fields at their defaults are left out (DECISIONS 68)
+        '{"offset":3,"source":"d","incarnation":1,"source_seq":2,"ts":1.5,"events":['
+        '{"type":"BlockStored","block_hashes":[18446744073709551615],"parent_block_hash":null,'
+        '"token_ids":[1],"block_size":1,"medium":"CPU","extra_keys":[["ad",[1]]]},'
+        '{"type":"AllBlocksCleared","medium":null}]}'
+    )
+    want = BlockStored((2**64 - 1,), None, (1,), 1, "CPU", extra_keys=(("ad", (1,)),))
+    assert decode_record(line).events[0] == want
+    older = (  # every field written out, as archives before DECISIONS 68 hold them
         '{"offset":3,"source":"d","incarnation":1,"source_seq":2,"ts":1.5,"events":['
         '{"type":"BlockStored","block_hashes":[18446744073709551615],"parent_block_hash":null,'
         '"token_ids":[1],"block_size":1,"medium":"CPU","group_idx":0,'
         '"kv_cache_spec_kind":"full_attention","sliding_window":null,"lora_name":null,'
         '"extra_keys":[["ad",[1]]],"provenance":null},{"type":"AllBlocksCleared","medium":null}]}'
     )
-    back = decode_record(line)
-    assert back.events[0] == BlockStored(
-        (2**64 - 1,), None, (1,), 1, "CPU", extra_keys=(("ad", (1,)),)
-    )
+    assert decode_record(older) == decode_record(line)
 
 
 def test_errors_carry_line_numbers() -> None:

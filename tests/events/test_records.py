@@ -72,3 +72,25 @@ def test_view_leaves_value_checks_to_validation() -> None:
 def test_unreadable_view_is_a_schema_error(data: bytes) -> None:
     with pytest.raises(SchemaError, match="log record"):
         decode_record_view(data)
+
+
+def test_defaults_are_left_out_and_full_records_still_read() -> None:
+    """A record leaves out fields at their defaults (DECISIONS 68); records written with every
+    field (logs from before) read the same, both ways."""
+    stored = BlockStored((7,), None, tuple(range(16)), 16, "GPU")
+    removed = BlockRemoved((7,), "GPU")
+    record = LogRecord(1, "e", 1, 1, 0.5, (stored, removed, AllBlocksCleared()))
+    data = encode_record(record)
+    full = msgspec.msgpack.encode({
+        "offset": 1, "source": "e", "incarnation": 1, "source_seq": 1, "ts": 0.5, "events": [
+            {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None,
+             "token_ids": list(range(16)), "block_size": 16, "medium": "GPU", "group_idx": 0,
+             "kv_cache_spec_kind": "full_attention", "sliding_window": None, "lora_name": None,
+             "extra_keys": None, "provenance": None},
+            {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 0},
+            {"type": "AllBlocksCleared", "medium": None}]})
+    assert b"group_idx" not in data and b"kv_cache_spec_kind" not in data
+    assert len(data) < len(full) - 90
+    assert decode_record(full) == decode_record(data) == record
+    assert decode_record_view(full) == decode_record_view(data)
+    assert encode_batch(decode_record_view(full).events, 0.5) == encode_batch(record.events, 0.5)
