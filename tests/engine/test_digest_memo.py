@@ -71,3 +71,43 @@ def test_blocks_seen_after_other_parents_are_still_exact() -> None:
     assert memo.hits - hits == 12 + 6 + 5
     tail = hasher.hash_blocks(same[:8])[-1]  # block 2 of the run, with block 1's digest given
     assert memo.hash_blocks(same[8:12], tail) == hasher.hash_blocks(same[:12])[2:]
+
+
+def test_whole_runs_are_looked_up_and_a_run_shared_in_part_still_hits() -> None:
+    """Runs of RUN_BLOCKS blocks are remembered from a call's first block; a prompt sharing
+    the first run and part of the second finds the whole run, then goes block by block (the
+    shared blocks still hits), and every digest is the hasher's."""
+    from engine.digest_memo import RUN_BLOCKS
+
+    bs = 4
+    hasher = BlockHasher("seed", bs, "sha256_cbor")
+    memo = DigestMemo(hasher, 1000)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 1000, bs * (2 * RUN_BLOCKS + 3) + 1)  # two whole runs, 3 blocks, a partial
+    assert memo.hash_blocks(prompt) == hasher.hash_blocks(prompt) and memo.hits == 0
+    assert len(memo._runs) == 2
+    assert memo.hash_blocks(prompt) == hasher.hash_blocks(prompt) and memo.hits == 2 * RUN_BLOCKS + 3
+    cut = bs * (RUN_BLOCKS + 5)  # the first run and 5 blocks of the second, then other tokens
+    other = np.concatenate([prompt[:cut], rng.integers(1000, 2000, bs * RUN_BLOCKS)])
+    hits = memo.hits
+    assert memo.hash_blocks(other) == hasher.hash_blocks(other)
+    assert memo.hits - hits == RUN_BLOCKS + 5
+    assert len(memo._runs) == 3  # the other prompt's second run is remembered now
+    hits = memo.hits
+    assert memo.hash_blocks(other) == hasher.hash_blocks(other) and memo.hits - hits == 2 * RUN_BLOCKS + 5
+    # A run after another parent is another run: the same tokens chained after a digest.
+    parent = hasher.hash_blocks(other)[-1]
+    assert memo.hash_blocks(prompt, parent) == hasher.hash_blocks(prompt, parent)
+
+
+def test_runs_stay_bounded_and_exact() -> None:
+    from engine.digest_memo import RUN_BLOCKS
+
+    hasher = BlockHasher("seed", 2, "xxh3_128_cbor")
+    memo = DigestMemo(hasher, 4 * RUN_BLOCKS)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 1000, 2 * RUN_BLOCKS * 3) for _ in range(6)]
+    for _ in range(2):
+        for p in prompts:
+            assert memo.hash_blocks(p) == hasher.hash_blocks(p)
+            assert len(memo._runs) <= 4 and len(memo) <= 4 * RUN_BLOCKS
