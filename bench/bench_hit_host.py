@@ -58,7 +58,7 @@ STAGES = [("", "prepare_prompt"), ("", "add_prepared"), ("", "step"), ("", "_app
           ("kv", "register_full_blocks"), ("kv", "free"), ("", "_launch"), ("", "_outputs"), ("", "_free_ending"),
           ("runner.graphs", "run"), ("runner.graphs", "_values"), ("chain", "pick"), ("chain", "tokens")]
 # (module, class, method): stages of objects made inside a step (timed on their class).
-CLASS_STAGES = [("engine.step_graphs", "_Inputs", "upload")]
+CLASS_STAGES = [("engine.step_graphs", "_Inputs", "upload"), ("engine.step_graphs", "_Inputs", "launched")]
 
 
 def _wrap(engine: Any, spent: dict[str, float]) -> list[tuple[Any, str]]:
@@ -114,7 +114,7 @@ def measure(model_dir: Path, prompt_len: int, iters: int, with_model: bool, devi
               max_model_len=prompt_len + 64, **extra)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     if not with_model:
-        def no_model(out: Any, sample_rows: list[int], *args: Any) -> torch.Tensor:
+        def no_model(out: Any, sample_rows: list[int], *args: Any, **kwargs: Any) -> torch.Tensor:
             return torch.zeros(len(sample_rows), VOCAB)
 
         setattr(llm.engine.runner, "execute", no_model)  # noqa: B010 (an instance attribute, undone below)

@@ -32,6 +32,9 @@ from engine.step_chain import Launched, StepChain
 from engine.step_graphs import StepGraphs
 from events.hashing import BlockHasher
 
+_SEED_BATCH = 64
+"""Request seeds drawn per ``torch.randint`` call."""
+
 
 class EngineCore:
     def __init__(
@@ -79,6 +82,11 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seed_gen = torch.Generator().manual_seed(config.seed)
+        self._settled = True
+        """Every step launched so far has completed (its results were read): the next step's
+        inputs need not wait for an earlier step to have read them (``StepGraphs.run``)."""
+        self._seeds: list[int] = []
+        """Seeds drawn ahead, the next one last (``_next_seed``)."""
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -128,7 +136,7 @@ class EngineCore:
             )
         # Drawn for every request, greedy ones too, as before (later requests keep their seeds);
         # the generator is made only when the request samples.
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+        seed = params.seed if params.seed is not None else self._next_seed()
         req = Request(
             request_id=rid, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
             eos_token_ids=() if params.ignore_eos else self.model_config.eos_token_ids,
@@ -137,6 +145,13 @@ class EngineCore:
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
+
+    def _next_seed(self) -> int:
+        """The next seed of the engine's stream: drawn 64 at a time (the same values, in the same
+        order, as one ``torch.randint`` a request; a torch call each was host work on the hit's path)."""
+        if not self._seeds:
+            self._seeds = torch.randint(0, 2**62, (_SEED_BATCH,), generator=self._seed_gen).tolist()[::-1]
+        return self._seeds.pop()
 
     def _check_prompt(self, token_ids: list[int]) -> np.ndarray | None:
         """Raises InvalidRequest for a bad prompt of plain ints; returns it as a read-only int64
@@ -157,7 +172,8 @@ class EngineCore:
             ids: np.ndarray | None = np.frombuffer(struct.pack(f"{len(token_ids)}q", *token_ids), dtype=np.int64)
         except struct.error:  # an id outside int64
             ids = None
-        if ids is not None and int(ids.min()) >= 0 and int(ids.max()) < vocab:
+        # One pass: a negative id is above every vocabulary as an unsigned number.
+        if ids is not None and int(ids.view(np.uint64).max()) < vocab:
             return ids
         bad = [t for t in token_ids if not 0 <= t < vocab]
         raise InvalidRequest(f"token ids out of range [0, {vocab}): {bad[:5]}")
@@ -193,6 +209,8 @@ class EngineCore:
                 if ahead is not None:
                     self._settle(ahead.scheduled)
                     self.chain.pending = ahead
+                else:  # this step's results are read and none was launched after it
+                    self._settled = True
                 self._flush_events()
                 return outputs
             finally:
@@ -215,7 +233,8 @@ class EngineCore:
         # below: the tokens are on the host when the step ends, not a kernel and a copy later.
         greedy = all(r.params.is_greedy and not r.params.return_logits for r in reqs)
         try:
-            logits = self.runner.execute(out, sample_rows, self.connector.take_layer_waits())
+            settled, self._settled = self._settled, False
+            logits = self.runner.execute(out, sample_rows, self.connector.take_layer_waits(), settled=settled)
             launched = Launched(scheduled, reqs, None if greedy else logits)
             if greedy:
                 self.chain.pick(launched, logits)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -72,11 +73,11 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> tuple[list[Prompt], bool]:
     if isinstance(prompts, str):
         return [prompts], False
     items = list(prompts)
-    # In C: every item's type, counted (~30 us for 4,096 ids; a set of them took ~50 us).
-    types = list(map(type, items))
-    if items and types.count(int) == len(items):  # one prompt given as token ids
+    # In C: every item's type, counted as it is made (4,096 ids: ~20 us on the CPU VM; a list
+    # of the types and its count ~30, a set of them ~50).
+    if items and operator.countOf(map(type, items), int) == len(items):  # one prompt given as token ids
         return [cast("list[int]", items)], True
-    if items and all(issubclass(t, int) for t in set(types)):  # ... some of them bools or IntEnums
+    if items and all(issubclass(t, int) for t in set(map(type, items))):  # ... some of them bools or IntEnums
         return [[int(t) for t in cast("list[int]", items)]], True
     return cast("list[Prompt]", items), False
 

@@ -193,16 +193,18 @@ class ModelRunner:
         return all(g.spec.sliding_window is None or n <= g.spec.sliding_window for g in self.groups)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, sample_rows: list[int], waits: LayerWaits | None = None) -> Tensor:
+    def execute(self, out: SchedulerOutput, sample_rows: list[int], waits: LayerWaits | None = None,
+                settled: bool = False) -> Tensor:
         """Run the step; return float32 logits for the scheduled entries in ``sample_rows``.
-        ``waits``: loads still in flight; each layer waits for its own before it runs."""
+        ``waits``: loads still in flight; each layer waits for its own before it runs.
+        ``settled``: every step launched before has completed (its results were read)."""
         sched = out.scheduled
         wait = self._layer_wait(waits)
         if self.graphs is not None:
             grid = [GridRow(_new_token_ids(s), s.start, self.kv.block_table(s.request.request_id)) for s in sched]
             shape = self.graphs.shape_for(grid)
             if shape is not None:
-                logits = self.graphs.run(shape, grid, wait)
+                logits = self.graphs.run(shape, grid, wait, settled=settled)
                 if sample_rows == list(range(len(sample_rows))):
                     return logits[: len(sample_rows)]
                 return logits[torch.tensor(sample_rows, device=logits.device)]

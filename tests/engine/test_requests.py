@@ -206,3 +206,20 @@ def test_async_scheduling_is_on_unless_turned_off(plain_model: Path, flags: list
     assert EngineConfig(model_dir=str(plain_model)).async_scheduling
     args = _parser().parse_args(["generate", "--model", str(plain_model), *flags, "--prompt", "hi"])
     assert _engine_config(args).async_scheduling is on
+
+
+def test_request_seeds_are_the_engines_stream_drawn_one_at_a_time(plain_model: Path) -> None:
+    """Seeds are drawn ahead in batches; requests get the values one ``torch.randint`` each
+    gave (a given seed takes none of them), across the batch boundary."""
+    import torch
+
+    llm = LLM(str(plain_model), seed=11, num_gpu_blocks=64)
+    gen = torch.Generator().manual_seed(11)
+    want = [int(torch.randint(0, 2**62, (1,), generator=gen)) for _ in range(70)]
+    params = SamplingParams(temperature=0.7, max_tokens=1)
+    got = []
+    for i in range(71):
+        req = llm.engine.add_request([1, 2, 3], SamplingParams(temperature=0.7, max_tokens=1, seed=5) if i == 3 else params)
+        got.append(req.seed)
+        llm.engine.abort(req.request_id)
+    assert got[3] == 5 and got[:3] + got[4:] == want

@@ -88,3 +88,39 @@ def test_aborts_and_arrivals_between_chained_steps(plain_model: Path) -> None:
     sync, chained_calls = runs[False][0], runs[True][0]
     assert chained_calls[:5] == sync[:5]
     assert sorted(t for call in chained_calls for t in call) == sorted(t for call in sync for t in call)
+
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_a_step_is_settled_only_when_every_step_before_was_read(plain_model: Path, chained: bool) -> None:
+    """The engine tells the runner that a step is settled (no earlier step can still read its
+    input buffer: StepGraphs skips the wait) only when every step launched before was read:
+    not the one after a step that failed once launched."""
+    from typing import Any
+
+    llm, _ = _engine(plain_model, chained)
+    e = llm.engine
+    real = e.runner.execute
+    seen: list[bool] = []
+    fail = [False]
+
+    def execute(*args: Any, settled: bool = False, **kwargs: Any) -> Any:
+        seen.append(settled)
+        logits = real(*args, settled=settled, **kwargs)
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("injected failure after the launch")
+        return logits
+
+    e.runner.execute = execute  # type: ignore[method-assign]
+    llm.generate([prompt_ids(1, 40), prompt_ids(2, 20)], replace(BASE, max_tokens=4))
+    assert all(seen) and (len(seen) == 1 if chained else len(seen) >= 4)  # chained: the decodes launched ahead
+    seen.clear()
+    e.add_request(prompt_ids(3, 30), replace(BASE, max_tokens=3))
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="injected"):
+        e.step()
+    while e.has_unfinished:
+        e.step()
+    assert seen[:2] == [True, False]  # the failed step came after steps all read; its successor did not
+    assert all(seen[2:])
