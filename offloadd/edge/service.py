@@ -19,9 +19,10 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from kvcache.v1 import events_pb2, log_pb2, offload_pb2
 
-from events.codec_proto import batch_from_proto, record_to_proto, snapshot_to_proto
+from events.codec_proto import record_to_proto, snapshot_to_proto
 from events.schema import SchemaError
 from offloadd import codec
+from offloadd.edge.batch_bulk import batch_from_wire
 from offloadd.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -259,7 +260,7 @@ class Servicers:
                 if msg.departing:
                     departed.add(msg.engine_id)  # no answer: the sender half-closes next
                     continue
-                await answers.put(await self._submit(msg))  # waits while the window is full
+                await answers.put(await self._submit(raw, msg))  # waits while the window is full
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -274,9 +275,9 @@ class Servicers:
             engines.add(engine_id)
             self.liveness.opened(engine_id)
 
-    async def _submit(self, msg: events_pb2.EventBatch) -> _Answer:
+    async def _submit(self, raw: bytes, msg: events_pb2.EventBatch) -> _Answer:
         try:
-            batch = batch_from_proto(msg)
+            batch = batch_from_wire(raw, msg)
         except SchemaError as exc:
             self.ingest.num_rejected += 1
             return log_pb2.PublishAck(engine_id=msg.engine_id, incarnation=msg.incarnation,
