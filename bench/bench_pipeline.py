@@ -128,10 +128,11 @@ def receive_row(sub: zmq.Socket[bytes], n: int, idle_s: float) -> dict[str, Any]
 def run_pipeline(work: Path, streams: list[list[tuple[Event, ...]]],
                  block_events_per_s: float | None, daemon_args: tuple[str, ...] = (),
                  prepare: Callable[[str], object] | None = None,
-                 capacity_bytes: int = 1 << 20) -> dict[str, Any]:
+                 capacity_bytes: int = 1 << 20, redis_args: tuple[str, ...] = ()) -> dict[str, Any]:
     """One run of the whole path; ``prepare(daemon target)`` runs before the bridge starts
-    (bench_recovery fills the CPU tier there), ``daemon_args`` go to offloadd."""
-    redis_proc = RedisProcess(work / f"redis-{time.monotonic_ns()}")
+    (bench_recovery fills the CPU tier there), ``daemon_args`` go to offloadd, ``redis_args``
+    to redis-server."""
+    redis_proc = RedisProcess(work / f"redis-{time.monotonic_ns()}", extra_args=redis_args)
     redis_proc.start()
     daemon = DaemonProcess(work / f"offloadd-{time.monotonic_ns()}", redis_proc.url, "default",
                            capacity_bytes=capacity_bytes,

@@ -52,7 +52,7 @@ class RedisProcess:
     ``appendfsync="always"`` makes every acknowledged write survive a kill -9 too."""
 
     def __init__(self, workdir: Path, port: int | None = None, password: str | None = None,
-                 appendfsync: str = "everysec") -> None:
+                 appendfsync: str = "everysec", extra_args: tuple[str, ...] = ()) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found; run scripts/setup")
@@ -61,6 +61,7 @@ class RedisProcess:
         self.port = port or free_port()
         self.password = password
         self.appendfsync = appendfsync
+        self.extra_args = extra_args  # more redis-server flags (benchmarks: its AOF settings)
         self.proc: subprocess.Popen[bytes] | None = None
         workdir.mkdir(parents=True, exist_ok=True)
 
@@ -77,6 +78,7 @@ class RedisProcess:
         ]
         if self.password:
             args += ["--requirepass", self.password]
+        args += self.extra_args
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - owned by the process
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
