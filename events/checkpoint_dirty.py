@@ -20,9 +20,9 @@ with C-speed forward passes over the tier (:class:`_Forward`), skipping what is 
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections import Counter, deque
+from collections.abc import Container, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import islice
 from typing import Generic, TypeVar
 
@@ -31,6 +31,7 @@ from events.schema import BlockStored
 from events.state_tier import Tier
 
 T = TypeVar("T")
+Touched = Counter[bytes]  # per segment (its fingerprint): blocks it lost (0: changed in place)
 
 
 @dataclass(frozen=True)
@@ -46,25 +47,21 @@ class Stretch:
     values: list[BlockStored] | None = None
 
 
-def plan(tier: Tier, previous: Sequence[Piece], segment_of: Mapping[int, bytes],
-         removed: Iterable[int], rewritten: Iterable[int], present: Container[str], cuts: Cuts,
-         limit: int | None = None) -> list[Stretch] | None:
+def plan(tier: Tier, previous: Sequence[Piece], touched: Touched, present: Container[str],
+         cuts: Cuts, limit: int | None = None) -> list[Stretch] | None:
     """The stretches of an export of ``tier`` now (module docstring), given the previous cut
-    (``previous``, its pieces in order), ``segment_of`` (each hash of that cut -> its piece's
-    fingerprint) and the hashes removed or stored again since. None when the changes do not
-    fit that cut (the tier must be cut whole), or when more than ``limit`` blocks would be cut."""
+    (``previous``, its pieces in order) and ``touched``: per fingerprint of a piece of it, the
+    blocks it lost since (0: one changed in place). None when that does not fit the cut (the
+    tier must be cut whole), or when more than ``limit`` blocks would be cut."""
     index = {p.fingerprint: i for i, p in enumerate(previous)}
     m = len(previous)
     lost, dirty = [0] * m, [False] * m
-    for hashes, is_removal in ((dict.fromkeys(removed), True), (rewritten, False)):
-        for fp in map(segment_of.get, hashes):
-            if fp is None:
-                continue  # appended since that cut, or never resident
-            i = index.get(fp)
-            if i is None:
-                return None  # a map that does not match the cut: never guess
-            dirty[i] = True
-            lost[i] += is_removal
+    for fp, num in touched.items():
+        i = index.get(fp)
+        if i is None:
+            return None  # a map that does not match the cut: never guess
+        dirty[i] = True
+        lost[i] += num
     ends, total, before = list[int](), 0, 0
     for i, p in enumerate(previous):
         size, before = p.end - before, p.end
@@ -98,7 +95,8 @@ def _walk(tier: Tier, previous: Sequence[Piece], ends: list[int], dirty: list[bo
     i = pos = 0
     while i < m - 1:
         if not dirty[i]:
-            kept.append(replace(previous[i], end=ends[i], keys=None, data=None))
+            p = previous[i]
+            kept.append(Piece(p.address, p.length, p.fingerprint, None, ends[i]))
             pos, i = ends[i], i + 1
             continue
         keys.release(pos)

@@ -63,8 +63,10 @@ from events.checkpoint import (
     join,
     split,
 )
+from events.checkpoint_book import CutBook
 from events.checkpoint_cut import Cuts, fences
-from events.checkpoint_delta import CutBook, tails
+from events.checkpoint_delta import TierId
+from events.state_apply import TierChanges
 from offloadd.config import OffloaddConfig
 from offloadd.log.checkpoint_load import CheckpointMissing, get_key, load, pointer_ids, restore
 from offloadd.log.checkpoint_store import CheckpointFailed, CheckpointStore
@@ -74,6 +76,7 @@ from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
 log = logging.getLogger(__name__)
 
 KEEP: Final[int] = 2  # complete checkpoints kept: the newest and its fallback
+_ABSORB_STEP: Final[int] = 20_000  # removed hashes placed per slice (~1 ms)
 
 
 @dataclass
@@ -200,14 +203,16 @@ class Checkpointer:
         book = self._book
         known = book.known(present)
         state = self.md.state
+        state.track_changes()  # from the first export on (what it cuts is the reference)
+        book.mapping = self.track_removals
+        for _ in book.absorb(self._changes(), step=_ABSORB_STEP):
+            await asyncio.sleep(0)  # removals placed on segments a slice at a time
         offset = state.offset  # no await from here to the copy or the fork in export_pieces
         ckpt_id = checkpoint_id(self.epoch, offset)
         sources, fork_s = fences(state), list[float]()
-        state.track_changes()  # from the first export on (what it cuts is the reference)
-        changes = state.take_changes()
-        book.open(changes if self.track_removals else {})
-        parts = tails(state, book.cuts, present, copy=False, book=book if self.track_removals else None,
-                      cuts=self.cuts, limit=self.fork_blocks if self.fork else None)
+        book.note(self._changes())  # what was applied meanwhile
+        parts = book.plan(state, present, copy=False, cuts=self.cuts,
+                          limit=self.fork_blocks if self.fork else None)
         todo = sum(p.todo for p in parts)
         fork = fork and todo > self.fork_blocks
         book.begin(parts)
@@ -257,6 +262,15 @@ class Checkpointer:
                  f"(forked in {sum(fork_s) * 1e3:.1f} ms)" if fork else "in the loop")
         await self.store.sweep(kept)
         return manifest
+
+    def _changes(self) -> dict[TierId, TierChanges]:
+        """The reducer's changes since the last call; as a tier reset each without
+        ``track_removals`` (a tier with removals cut whole, as before DECISIONS 68)."""
+        changes = self.md.state.take_changes()
+        if not self.track_removals:
+            for change in changes.values():
+                change.mark_reset()
+        return changes
 
     async def trim(self) -> int:
         """Trim the log to the retention horizon (module docstring); how many records went."""

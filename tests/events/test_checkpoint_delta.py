@@ -8,8 +8,9 @@ from __future__ import annotations
 import random
 
 from events.checkpoint import Manifest, decode_snapshot
+from events.checkpoint_book import CutBook
 from events.checkpoint_cut import Piece, fences, pieces
-from events.checkpoint_delta import CutBook, cut_tails, tails
+from events.checkpoint_delta import cut_tails
 from events.schema import AllBlocksCleared, BlockRemoved
 from events.state import CacheState
 from tests.events.test_checkpoint_cut import CUTS, Log, stored
@@ -30,9 +31,10 @@ class Delta:
     def export(self, stop_after: int | None = None) -> list[Piece]:
         """One export; ``stop_after`` pieces: one that fails there (never committed)."""
         changes = self.state.take_changes()
-        self.book.open(changes if self.removals else {})
-        parts = tails(self.state, self.book.cuts, self.store, book=self.book if self.removals else None,
-                      cuts=CUTS)
+        for change in changes.values() if not self.removals else ():
+            change.mark_reset()
+        self.book.note(changes)
+        parts = self.book.plan(self.state, self.store, cuts=CUTS)
         self.cut = sum(p.todo for p in parts)
         self.book.begin(parts)
         got = []
