@@ -244,8 +244,10 @@ class Stack:
         port = port_or_free(6390)
         data = self.config.run_dir / "redis"
         data.mkdir(exist_ok=True)
+        # A trimmed log keeps the AOF's base small: rewrite after 512 MB, not 64 (DECISIONS 68).
         self.sup.start("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
-                                 "--appendonly", "yes", "--save", "", "--protected-mode", "yes"],
+                                 "--appendonly", "yes", "--auto-aof-rewrite-min-size", "512mb",
+                                 "--save", "", "--protected-mode", "yes"],
                        ready=lambda: _redis_ping(port))
         return f"redis://127.0.0.1:{port}/0"
 
