@@ -32,7 +32,7 @@ MAX_HASH: Final[int] = 2**64 - 1
 class BlockStored(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     """Blocks became resident in ``medium``; ``token_ids`` covers every block, in order.
     Encoded without the fields that hold their defaults (a decoder fills them in): a log
-    record of single-block events is half the bytes (DECISIONS 68)."""
+    record of single-block events is half the bytes (DECISIONS 70)."""
 
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None

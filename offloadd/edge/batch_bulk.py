@@ -4,7 +4,7 @@ dozen field reads per event.
 ``events.codec_proto.batch_from_proto`` reads a parsed ``EventBatch`` event by event, and each
 field read of a upb message from Python costs 0.1-0.5 us (a repeated field builds a container
 each time): ~3 us per single-block ``BlockStored``, the daemon's largest cost per event in
-vLLM's batch shape (DECISIONS 68). Here the batch's bytes are parsed a second time as
+vLLM's batch shape (DECISIONS 70). Here the batch's bytes are parsed a second time as
 :data:`_Flat`, a message of the same field numbers in which ``events`` and ``block_stored`` are
 singular: protobuf merges repeated occurrences of a singular message, so every repeated field
 below collects the values of all events in order, in C. Each event's hashes and token ids are

@@ -27,7 +27,7 @@ def test_line_format_and_tuples() -> None:
     ev = BlockStored((2**64 - 1,), None, (1,), 1, "CPU", extra_keys=(("ad", [1]),))
     record = LogRecord(3, "d", 1, 2, 1.5, (ev, AllBlocksCleared()))
     line = encode_record(record)
-    assert line == (  # fields at their defaults are left out (DECISIONS 68)
+    assert line == (  # fields at their defaults are left out (DECISIONS 70)
         '{"offset":3,"source":"d","incarnation":1,"source_seq":2,"ts":1.5,"events":['
         '{"type":"BlockStored","block_hashes":[18446744073709551615],"parent_block_hash":null,'
         '"token_ids":[1],"block_size":1,"medium":"CPU","extra_keys":[["ad",[1]]]},'
@@ -35,7 +35,7 @@ def test_line_format_and_tuples() -> None:
     )
     want = BlockStored((2**64 - 1,), None, (1,), 1, "CPU", extra_keys=(("ad", (1,)),))
     assert decode_record(line).events[0] == want
-    older = (  # every field written out, as archives before DECISIONS 68 hold them
+    older = (  # every field written out, as archives before DECISIONS 70 hold them
         '{"offset":3,"source":"d","incarnation":1,"source_seq":2,"ts":1.5,"events":['
         '{"type":"BlockStored","block_hashes":[18446744073709551615],"parent_block_hash":null,'
         '"token_ids":[1],"block_size":1,"medium":"CPU","group_idx":0,'

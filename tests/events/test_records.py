@@ -75,7 +75,7 @@ def test_unreadable_view_is_a_schema_error(data: bytes) -> None:
 
 
 def test_defaults_are_left_out_and_full_records_still_read() -> None:
-    """A record leaves out fields at their defaults (DECISIONS 68); records written with every
+    """A record leaves out fields at their defaults (DECISIONS 70); records written with every
     field (logs from before) read the same, both ways."""
     stored = BlockStored((7,), None, tuple(range(16)), 16, "GPU")
     removed = BlockRemoved((7,), "GPU")
