@@ -17,6 +17,9 @@ contiguous and counts every block event (nothing lost). Shapes (issue "durable c
 Baselines measured in the same run on the same payloads: **bare PUB->SUB** (the batches, already
 in vLLM's wire format, on one ZMQ socket) and **bare Redis XADD** (the same log records,
 pipelined 500 per MULTI/EXEC, as fast as one client can). Results: ratios to both.
+Each pipeline row also has the CPU that offloadd, kv-bridge and Redis used over the measured run
+(``cpu``: seconds and seconds per 1M block events, from /proc) and what Redis's AOF rewrite
+children used (``redis.children_cpu_s``): on a 2-core machine their sum is what decides the rate.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import platform
 import queue
 import random
@@ -157,15 +161,19 @@ def run_pipeline(work: Path, streams: list[list[tuple[Event, ...]]],
              for i, batches in enumerate(streams)]
     n = sum(len(b) for b in streams)
     total = sum(block_events(b) for s in streams for b in s)
+    services = {"offloadd": daemon.proc, "kv-bridge": bridge.proc, "redis": redis_proc.proc}
     try:
         for p in procs:
             p.start()
         for _ in procs:
             ready.get(timeout=120)
+        cpu0 = {name: cpu_seconds(proc) for name, proc in services.items()}
         t0 = time.time()
         go.set()
         got = receive_row(sub, n, idle_s=20.0)
         wall = time.time() - t0
+        cpu = {name: cpu_used(cpu0[name], cpu_seconds(proc), total)
+               for name, proc in services.items()}
         for p in procs:
             p.join(60)
         engines = []
@@ -192,22 +200,44 @@ def run_pipeline(work: Path, streams: list[list[tuple[Event, ...]]],
             "checkpoints": len(written), "checkpoint_bytes_max": max(written, default=0),
             "checkpoint_bytes_total": sum(written),
             "checkpoint_bytes_sent_total": sum(sent) if sent else sum(written), "redis": stalls,
-            "engines_failed": len(procs) - len(engines),
+            "engines_failed": len(procs) - len(engines), "cpu": cpu,
             "lost": n - got["received"], "wall_s": wall,
             "block_events_per_s": total / wall if got["received"] == n else None,
             "within_10s": got["received"] if wall <= 10 else None}
 
 
-def redis_counters(url: str) -> dict[str, int]:
+def cpu_seconds(proc: Any) -> float | None:
+    """User + system CPU seconds of a running child (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (AttributeError, OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_used(before: float | None, after: float | None, block_events: int) -> dict[str, Any]:
+    """A process's CPU over the measured run, in all and per million block events (what decides
+    the rate when five processes share the cores; AOF rewrite children are not counted)."""
+    if before is None or after is None:
+        return {"cpu_s": None, "cpu_s_per_1m_events": None}
+    used = after - before
+    return {"cpu_s": round(used, 2), "cpu_s_per_1m_events": round(used / block_events * 1e6, 2)}
+
+
+def redis_counters(url: str) -> dict[str, float]:
     """What Redis did in the run that can stall every client: forks (AOF rewrites, each a copy
-    of the dataset's page tables) and writes it made wait for a slow fsync."""
+    of the dataset's page tables), writes it made wait for a slow fsync, and the CPU its
+    rewrite children used (on the same cores as the rest)."""
     admin = redis.Redis.from_url(url)
     try:
-        info = {**admin.info("persistence"), **admin.info("stats")}
+        info = {**admin.info("persistence"), **admin.info("stats"), **admin.info("cpu")}
     finally:
         admin.close()
-    return {k: int(info.get(k, 0)) for k in ("aof_rewrites", "aof_delayed_fsync", "total_forks",
-                                              "latest_fork_usec")}
+    out: dict[str, float] = {k: int(info.get(k, 0)) for k in (
+        "aof_rewrites", "aof_delayed_fsync", "total_forks", "latest_fork_usec")}
+    out["children_cpu_s"] = round(float(info.get("used_cpu_user_children", 0))
+                                  + float(info.get("used_cpu_sys_children", 0)), 2)
+    return out
 
 
 # -- baselines ----------------------------------------------------------------------------------
@@ -299,6 +329,8 @@ def main() -> int:
                       f"bare PUB->SUB ({bare['block_events_per_s']:,.0f}), "
                       f"{rate / xadd['block_events_per_s']:.3f}x bare XADD "
                       f"({xadd['block_events_per_s']:,.0f})")
+            print("  CPU per 1M block events: " + ", ".join(
+                f"{name} {row['cpu_s_per_1m_events']} s" for name, row in pipeline["cpu"].items()))
             if shape == "c":
                 print(f"  latency at {args.rate:,.0f} block ev/s: p50 {pipeline['p50_ms']:.1f} ms, "
                       f"p99 {pipeline['p99_ms']:.1f} ms")
