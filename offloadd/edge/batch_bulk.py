@@ -11,8 +11,9 @@ below collects the values of all events in order, in C. Each event's hashes and 
 its packed runs (``bytes``), joined and unpacked once for the batch.
 
 The columns line up with the events only when every event is one ``BlockStored`` that carries
-each column exactly once (or, for the fields that default, none does): anything else (a removal,
-a clear, extra keys, a LoRA name, mixed presence of an optional field, an unpacked run) returns
+each column exactly once (or, for the fields that default, none does; a parent, set on some
+events only, is found right after each event's hashes): anything else (a removal, a clear,
+extra keys, a LoRA name, a window, a group set on some events only, an unpacked run) returns
 None and the caller reads the message as before, so results and errors are that decoder's. Every
 event returned passes the checks it makes. One difference is possible, for input no protobuf
 encoder writes: an event that repeats a singular field (or splits a packed run) next to an event
