@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from events.codec_vllm import decode_batch, encode_batch
-from events.schema import BlockStored, LogRecord
+from events.schema import BlockRemoved, BlockStored, Event, LogRecord
 from events.state import CacheState
 
 
@@ -85,6 +85,31 @@ def bridge_records(num_blocks: int) -> list[LogRecord]:
     return out
 
 
+def evicting_records(num_blocks: int, resident: int = 10_000) -> list[LogRecord]:
+    """A GPU tier in steady state (vLLM's shape): each record stores 50 single-block events
+    and removes the 50 oldest blocks, one BlockRemoved each, once ``resident`` are held."""
+    out, next_hash = [], 0
+    for i in range(num_blocks // 50):
+        events: list[Event] = [BlockStored((h,), None, tuple(range(16)), 16, "GPU")
+                               for h in range(next_hash, next_hash + 50)]
+        events += [BlockRemoved((h,), "GPU") for h in range(next_hash - resident, next_hash - resident + 50)
+                   if h >= 0]
+        next_hash += 50
+        out.append(LogRecord(i + 1, "e1", 1, i + 1, 0.0, tuple(events)))
+    return out
+
+
+def tracking(cls: Any) -> Any:
+    """``cls`` whose instances record their changes for a checkpoint writer (DECISIONS 68)."""
+
+    def new() -> Any:
+        state = cls()
+        state.track_changes()
+        return state
+
+    return new
+
+
 def run(num_blocks: int, before: Any = None) -> list[dict[str, object]]:
     bs = 16
     single = [
@@ -107,6 +132,7 @@ def run(num_blocks: int, before: Any = None) -> list[dict[str, object]]:
     ]  # fmt: skip
 
     batches = bridge_records(num_blocks)
+    evicting = evicting_records(num_blocks)
 
     def applier(cls: Any, recs: list[LogRecord]) -> Callable[[], None]:
         def apply_all() -> None:
@@ -121,6 +147,10 @@ def run(num_blocks: int, before: Any = None) -> list[dict[str, object]]:
             d: dict[int, object] = {}
             for r in recs:
                 for e in r.events:
+                    if isinstance(e, BlockRemoved):
+                        for h in e.block_hashes:
+                            d.pop(h, None)
+                        continue
                     assert isinstance(e, BlockStored)
                     for h in e.block_hashes:
                         d[h] = e
@@ -136,11 +166,17 @@ def run(num_blocks: int, before: Any = None) -> list[dict[str, object]]:
          dict_baseline(records)),
         ("CacheState.apply, 4x4-block batches", applier(CacheState, batches),
          dict_baseline(batches)),
+        ("CacheState.apply, evicting 1-block events", applier(CacheState, evicting),
+         dict_baseline(evicting)),
+        ("CacheState.apply, evicting, changes tracked", applier(tracking(CacheState), evicting),
+         dict_baseline(evicting)),
     ]  # fmt: skip
     if before is not None:
         rows += [
             ("before: apply, 100-block events", applier(before, records), dict_baseline(records)),
             ("before: apply, 4x4-block batches", applier(before, batches), dict_baseline(batches)),
+            ("before: apply, evicting 1-block events", applier(before, evicting),
+             dict_baseline(evicting)),
         ]  # fmt: skip
     out: list[dict[str, object]] = []
     for name, ours, base in rows:
@@ -174,7 +210,7 @@ def main() -> None:
             f" {float(r['blocks_per_s']):12,.0f} {float(r['ratio_vs_baseline']):7.2f}"  # type: ignore[arg-type]
         )
     by_name = {r["what"]: float(r["ours_s"]) for r in rows}  # type: ignore[arg-type]
-    for what in ("100-block events", "4x4-block batches"):
+    for what in ("100-block events", "4x4-block batches", "evicting 1-block events"):
         if f"before: apply, {what}" in by_name:
             speedup = by_name[f"before: apply, {what}"] / by_name[f"CacheState.apply, {what}"]
             print(f"CacheState.apply speed-up, {what}: {speedup:.2f}x (same run)")

@@ -208,8 +208,10 @@ def _remove(
         tier = {}
     elif tier:
         edits[key] = edits.get(key, 0) + 1  # a hole (or none: counted anyway, once per event)
-        if edits.changes is not None:  # inline: a GPU tier evicts in every batch
-            edits.journal(key).removed.extend(event.block_hashes)
+        changes = edits.changes
+        if changes is not None:  # inline: a GPU tier evicts in every batch
+            journal = changes.get(key) or edits.journal(key)
+            journal.removed.extend(event.block_hashes)
     for h in event.block_hashes:
         if tier.pop(h, None) is None:  # stored values are events, never None
             violate(

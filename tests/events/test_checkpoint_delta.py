@@ -33,7 +33,8 @@ class Delta:
         changes = self.state.take_changes()
         for change in changes.values() if not self.removals else ():
             change.mark_reset()
-        self.book.note(changes)
+        for _ in self.book.absorb(changes, step=5):  # in steps, as the daemon's loop takes them
+            pass
         parts = self.book.plan(self.state, self.store, cuts=CUTS)
         self.cut = sum(p.todo for p in parts)
         self.book.begin(parts)
