@@ -1,7 +1,8 @@
 """What a checkpoint costs the daemon's event loop: its stalls, measured in one process.
 
     python bench/bench_checkpoint_stall.py [--resident 1000000] [--rate 50000] [--seconds 20]
-                                           [--rounds 2] [--out bench/results/checkpoint_stall.json]
+                                           [--rounds 2] [--evict] [--modes none loop whole]
+                                           [--out bench/results/checkpoint_stall.json]
 
 The stream benchmark (bench_recovery's checkpoint cost) runs five processes on the machine and
 its p99 is mostly the machine's load; this one measures the part a checkpoint adds in the
@@ -14,10 +15,14 @@ meanwhile (the loop's lag as a message arriving every ms would see it: a 15 ms s
 samples, 15 ms down to 0), and the daemon's Checkpointer
 (offloadd.log.checkpoint, on a real Redis started here) writing a checkpoint every
 ``--interval-s``. Modes, alternating each round on a state rebuilt the same way: ``none`` (no
-checkpoint), ``loop`` (the default: what was appended is cut in the loop, in slices) and
-``fork`` (``checkpoint_fork_blocks`` 0: every export in a forked child). Each run first writes
+checkpoint), ``loop`` (the default: what changed is cut in the loop, in slices),
+``fork`` (``checkpoint_fork_blocks`` 0: every export in a forked child) and ``whole`` (the
+default but a tier with removals cut whole, as before DECISIONS 68). With ``--evict`` the GPU
+tier removes its 100 oldest blocks in each record (one BlockRemoved each), as a vLLM GPU tier
+in steady state does. Each run first writes
 one checkpoint of the whole state, not measured (a restarted daemon's first one). Reported per
-run: lag p50/p99/p99.9/max, checkpoints written, the longest fork, the blocks cut, and the CPU
+run: lag p50/p99/p99.9/max, checkpoints written, forks, the blocks cut, the chunk bytes sent,
+Redis's AOF rewrites during the run, its AOF size and used memory at the end, and the CPU
 seconds of this process and of its children (the export children). With ``--record-us`` each
 record also costs that much CPU in the loop (the daemon's gRPC, decoding and Redis work per
 batch): a loop that is that busy shows whether the export's slices leave it room (how late
@@ -44,7 +49,7 @@ import redis.asyncio as aioredis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from events.logkeys import LogKeys
-from events.schema import BlockStored, LogRecord
+from events.schema import BlockRemoved, BlockStored, Event, LogRecord
 from events.state import CacheState
 from offloadd.config import OffloaddConfig
 from offloadd.log.checkpoint import Checkpointer
@@ -60,12 +65,18 @@ class Feed:
 
     def __init__(self, state: CacheState) -> None:
         self.state, self.seq, self.next_hash = state, 0, 1
+        self.oldest = 1
 
-    def gpu(self) -> None:
+    def gpu(self, evict: bool = False) -> None:
+        """100 single-block stores; ``evict``: and the 100 oldest blocks removed, one
+        BlockRemoved each (a vLLM GPU tier in steady state, LRU)."""
         self.seq += 1
         h = self.next_hash
         self.next_hash += 100
-        events = tuple(BlockStored((h + j,), None, TOKENS, 16, "GPU") for j in range(100))
+        events: tuple[Event, ...] = tuple(BlockStored((h + j,), None, TOKENS, 16, "GPU") for j in range(100))
+        if evict:
+            events += tuple(BlockRemoved((o,), "GPU") for o in range(self.oldest, self.oldest + 100))
+            self.oldest += 100
         self.state.apply(LogRecord(self.state.offset + 1, "engine", 1, self.seq, 0.0, events))
 
     def cpu(self, n: int) -> None:
@@ -91,8 +102,10 @@ async def one_run(url: str, mode: str, args: argparse.Namespace, run: int) -> di
     md = MetadataStore(client, keys, state)
     cp = Checkpointer(md, OffloaddConfig(namespace=keys.namespace, checkpoint_fork_blocks=(
         0 if mode == "fork" else OffloaddConfig.checkpoint_fork_blocks)), EPOCH)
+    cp.track_removals = mode != "whole"
     if mode != "none":
         await cp.write()  # the whole state once, as after a restart: not measured
+    aof0 = await client.info("persistence")
     loop = asyncio.get_running_loop()
     lags: list[float] = []
     behind: list[float] = []  # how late each record was applied: the stream's queueing
@@ -114,7 +127,7 @@ async def one_run(url: str, mode: str, args: argparse.Namespace, run: int) -> di
         while loop.time() < stop:
             n += 1
             due = start + n * 100 / args.rate
-            feed.gpu()
+            feed.gpu(args.evict)
             if args.record_us:  # the rest of the daemon's work per batch (gRPC, decode, Redis)
                 until = time.perf_counter() + args.record_us * 1e-6
                 while time.perf_counter() < until:
@@ -127,15 +140,23 @@ async def one_run(url: str, mode: str, args: argparse.Namespace, run: int) -> di
             await asyncio.sleep(0.25)
             gc.freeze()
 
+    sent: list[int] = []
+    forks = 0
+
     async def checkpoints() -> None:
+        nonlocal forks
         while loop.time() + args.interval_s < stop:
             await asyncio.sleep(args.interval_s)
             if await cp.write() is not None:
                 cut.append(cp.stats.blocks_cut)
+                sent.append(cp.stats.bytes_sent)
+                forks += cp.stats.forked
 
     tasks = [probe(), feeder(), collector()] + ([checkpoints()] if mode != "none" else [])
     await asyncio.gather(*tasks)
     cpu, kids = time.process_time() - cpu0, os.times()
+    aof = await client.info("persistence")
+    used = (await client.info("memory"))["used_memory"]
     await client.aclose()
     lags.sort()
     q = statistics.quantiles(lags, n=1000)
@@ -146,6 +167,11 @@ async def one_run(url: str, mode: str, args: argparse.Namespace, run: int) -> di
             "record_late_ms": {"p50": round(b[49] * 1e3, 3), "p99": round(b[98] * 1e3, 3),
                                "max": round(behind[-1] * 1e3, 3)},
             "samples": len(lags), "checkpoints": len(cut), "blocks_cut_max": max(cut, default=0),
+            "blocks_cut_median": statistics.median(cut) if cut else 0, "forks": forks,
+            "bytes_sent_mb": round(sum(sent) / 1e6, 1), "aof_rewrites": (
+                aof["aof_rewrites"] - aof0["aof_rewrites"]) if "aof_rewrites" in aof else None,
+            "aof_mb": round(aof.get("aof_current_size", 0) / 1e6, 1),
+            "used_memory_mb": round(used / 1e6, 1),
             "forked": cp.stats.forked, "cpu_s": round(cpu, 2),
             "children_cpu_s": round(kids.children_user + kids.children_system
                                     - kids0.children_user - kids0.children_system, 2),
@@ -162,7 +188,11 @@ def main() -> int:
     p.add_argument("--record-us", type=float, default=0.0,
                    help="CPU spent per record besides applying it (the daemon's other work per batch)")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds of the three modes")
-    p.add_argument("--modes", nargs="+", default=["none", "loop", "fork"], choices=["none", "loop", "fork"])
+    p.add_argument("--evict", action="store_true",
+                   help="the GPU tier evicts its oldest blocks as fast as it stores (steady state)")
+    p.add_argument("--modes", nargs="+", default=["none", "loop", "fork"],
+                   choices=["none", "loop", "fork", "whole"],
+                   help="whole: in the loop, but a tier with removals cut whole (before DECISIONS 68)")
     p.add_argument("--out", default="bench/results/checkpoint_stall.json")
     args = p.parse_args()
     if args.rounds < 1 or args.seconds <= args.interval_s:
