@@ -77,6 +77,9 @@ log = logging.getLogger(__name__)
 
 KEEP: Final[int] = 2  # complete checkpoints kept: the newest and its fallback
 _ABSORB_STEP: Final[int] = 20_000  # removed hashes placed per slice (~1 ms)
+# A tier with removals whose touched segments hold more blocks than this is cut whole, read by
+# the forked child from its copy of the state, instead of copied at the instant (~30 ns a block).
+_PLAN_BLOCKS: Final[int] = 250_000
 
 
 @dataclass
@@ -212,7 +215,7 @@ class Checkpointer:
         sources, fork_s = fences(state), list[float]()
         book.note(self._changes())  # what was applied meanwhile
         parts = book.plan(state, present, copy=False, cuts=self.cuts,
-                          limit=self.fork_blocks if self.fork else None)
+                          limit=_PLAN_BLOCKS if self.fork else None)
         todo = sum(p.todo for p in parts)
         fork = fork and todo > self.fork_blocks
         book.begin(parts)

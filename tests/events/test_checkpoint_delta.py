@@ -28,14 +28,15 @@ class Delta:
         self.store: dict[str, bytes] = {}
         self.cut = 0  # blocks the last export cut
 
-    def export(self, stop_after: int | None = None) -> list[Piece]:
-        """One export; ``stop_after`` pieces: one that fails there (never committed)."""
+    def export(self, stop_after: int | None = None, limit: int | None = None) -> list[Piece]:
+        """One export; ``stop_after`` pieces: one that fails there (never committed); ``limit``:
+        blocks a tier with removals may cut before it is cut whole."""
         changes = self.state.take_changes()
         for change in changes.values() if not self.removals else ():
             change.mark_reset()
         for _ in self.book.absorb(changes, step=5):  # in steps, as the daemon's loop takes them
             pass
-        parts = self.book.plan(self.state, self.store, cuts=CUTS)
+        parts = self.book.plan(self.state, self.store, cuts=CUTS, limit=limit)
         self.cut = sum(p.todo for p in parts)
         self.book.begin(parts)
         got = []
@@ -243,3 +244,17 @@ def test_random_removals_and_appends_stay_exact_and_mostly_partial() -> None:
         d.check()
         partial += d.cut < len(have) // 2
     assert partial > 30
+
+
+def test_removals_touching_more_than_the_limit_cut_the_tier_whole() -> None:
+    log = Log()
+    grow(log, "a", 1, 1000)
+    d = Delta(log.state)
+    d.check()
+    log.put("a", BlockRemoved(tuple(range(1, 1000, 50)), "GPU"))  # a hole in every segment
+    d.export(limit=100)
+    assert d.cut == 980
+    log.put("a", BlockRemoved((2,), "GPU"))
+    d.export(limit=100)  # mapped anew by that whole cut
+    assert d.cut < 100
+    d.check()

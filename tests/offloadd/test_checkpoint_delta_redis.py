@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from events.checkpoint_cut import pieces
-from events.schema import BlockRemoved, BlockStored
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from offloadd.config import ConfigError, OffloaddConfig
 from offloadd.log.checkpoint import CheckpointFailed, Manifest
 from tests.offloadd.test_checkpoint_incremental import Rig, scenario
@@ -40,15 +40,18 @@ def test_appends_are_cut_alone_and_recovery_is_the_state(redis_url: str, namespa
             assert 40 < rig.cp.stats.blocks_cut <= 40 + 2 * rig.cp.cuts.max  # not 2000
             assert rig.cp.stats.forked == forked
             assert await rig.restored() == rig.md.state
-        # A hole: in the loop only the segments it touched are cut again; forked (any cut is
-        # "more than 0 blocks") the tier is cut whole, and the child sends its segments' hashes.
+        # A hole: only the segments it touched are cut again, in the loop or in the child.
         await rig.put(BlockRemoved((1000,), "GPU"))
         await rig.store(9000, 60)
         await written(rig)
-        assert (rig.cp.stats.blocks_cut > 2000) == forked
+        assert rig.cp.stats.blocks_cut < 200 and rig.cp.stats.forked == forked
         assert await rig.restored() == rig.md.state
+        await rig.put(AllBlocksCleared("GPU"))  # cut whole: the child sends its segments' hashes
+        await rig.store(20_000, 500)
+        await written(rig)
+        assert rig.cp.stats.blocks_cut == 502
         rig.cp.fork_blocks = 1_000_000  # in the loop from here: what that cut mapped is used
-        await rig.put(BlockRemoved((10, 1500, 9010), "GPU"))
+        await rig.put(BlockRemoved((20_010, 20_300, 20_499), "GPU"))
         await written(rig)
         assert rig.cp.stats.blocks_cut < 200 and not rig.cp.stats.forked
         assert await rig.restored() == rig.md.state
