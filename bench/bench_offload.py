@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -174,33 +174,36 @@ def bandwidth(device: torch.device, num_blocks: int, block_shape: tuple[int, ...
 def _layer_loads(kv: torch.Tensor, ids: list[int], scattered: list[int], runs: list[int], geometry: Any,
                  block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, reps: int,
                  rng: random.Random, nbytes: int, limit_store: float, limit_load: float) -> list[dict[str, Any]]:
-    """The layer-by-layer load as the engine issues it (engine.offload.layerwise, every layer
-    issued and then waited for): scattered slots into random block ids (one gather kernel per
-    layer), and a run of slots into a run of block ids, as fresh blocks are handed out (one 2-D
-    DMA copy per layer)."""
+    """The layer-by-layer load as the engine issues it (engine.offload.layerwise, every copy
+    issued and then waited for), in units halving toward the last layer (mode ``layers``) and
+    one layer a copy (``per-layer``): scattered slots into random block ids (one gather kernel
+    per copy), and a run of slots into a run of block ids, as fresh blocks are handed out (one
+    2-D DMA copy per unit)."""
     from engine.offload.layerwise import GroupLoad, LayerLoader
 
     arena = ArenaBlocks(ArenaMapping(geometry), block_shape, dtype, device)
-    loader = LayerLoader(device)
     first = rng.randrange(1, kv.shape[0] - len(ids) + 1)
     rows = []
-    for slot_kind, slots, dst_ids in (("scattered", scattered, ids), ("runs", runs, list(range(first, first + len(ids))))):
+    for name, slot_kind, slots, dst_ids in [(name, k, s, d) for name in ("layers", "per-layer")
+                                            for k, s, d in (("scattered", scattered, ids),
+                                                            ("runs", runs, list(range(first, first + len(ids)))))]:
+        loader = LayerLoader(device, halving=name == "layers")
         arena.write(arena.gather(kv, ids), slots)
         dst = torch.zeros_like(kv)
 
-        def load_all(s: list[int] = slots, d: list[int] = dst_ids, out: torch.Tensor = dst) -> None:
-            loads = loader.new_step()
-            loader.load([GroupLoad(0, arena, out, d, s)], loads)
+        def load_all(s: list[int] = slots, d: list[int] = dst_ids, out: torch.Tensor = dst,
+                     ld: LayerLoader = loader) -> None:
+            loads = ld.new_step()
+            ld.load([GroupLoad(0, arena, out, d, s)], loads)
             loads.finish()
 
         load = nbytes / _timed(load_all, device, reps)
-        rows.append(dict(mode="layers", mode_used="/".join(sorted(loader.issued)), knobs={}, slots=slot_kind,
+        rows.append(dict(mode=name, mode_used="/".join(sorted(loader.issued)), knobs={}, slots=slot_kind,
                          blocks=len(ids), block_bytes=nbytes // len(ids), bytes=nbytes,
                          store_GBps=float("nan"), load_GBps=load / 1e9,
                          limit_store_GBps=limit_store / 1e9, limit_load_GBps=limit_load / 1e9,
                          store_ratio=float("nan"), load_ratio=load / limit_load,
                          correct=torch.equal(dst[dst_ids], kv[ids])))
-        loader.issued.clear()
     arena.close()
     arena.mapping.close()
     return rows
@@ -385,7 +388,7 @@ def _decode_step(llm: Any, prompt: list[int], reps: int = 3) -> float:
 
 def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir: Path,
          limit_load_GBps: float | None, profile: bool = False, eager: bool = False,
-         layerwise: bool = True, speculate: bool = True) -> dict[str, Any]:
+         layerwise: bool = True, speculate: bool = True, layer_copies: Literal["halving", "per-layer"] = "halving") -> dict[str, Any]:
     from engine.llm import LLM
     from engine.model.checkpoint import TinyModelSpec, write_tiny_model
     from engine.offload.config import OffloadConnectorConfig
@@ -406,7 +409,8 @@ def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir:
     daemon.start()
     try:
         conn = OffloadingConnector(OffloadConnectorConfig(daemon.target, "bench-0", model, layerwise=layerwise,
-                                                          speculate=speculate))
+                                                          speculate=speculate,
+                                                          layer_copies=layer_copies))
         dtype = "bfloat16" if device.type == "cuda" else "float32"
         llm = LLM(str(model_dir), connector=conn, device=str(device), dtype=dtype,
                   num_gpu_blocks=prompt_len // 16 * 2 + 16, max_num_batched_tokens=prompt_len + 64,
@@ -455,7 +459,7 @@ def ttft(device: torch.device, model: str, prompt_len: int, iters: int, workdir:
         kv_bytes = kv_token_bytes * prompt_len
         result: dict[str, Any] = dict(model=model, device=str(device), prompt_len=prompt_len,
                                       iters=iters, kv_bytes=kv_bytes, eager=graphs is None, layerwise=layerwise,
-                                      speculate=speculate,
+                                      speculate=speculate, layer_copies=layer_copies,
                                       graph_steps=graphs.steps if graphs else 0,
                                       graph_captures=graphs.captures if graphs else 0,
                                       decode_step_ms=decode_s * 1e3, host_stages_ms=stages, lookup_rpc_ms=rpc,
@@ -516,7 +520,9 @@ def main() -> None:
                    help="ttft: comma-separated engine modes, run one after the other: graphs (default: small "
                         "steps replay CUDA graphs), eager (enforce_eager); a -whole suffix turns the "
                         "layer-by-layer load off (the copy completes before the step), an -ask suffix "
-                        "the speculative load (the copy waits for the pinning Lookup's answer)")
+                        "the speculative load (the copy waits for the pinning Lookup's answer), a -perlayer "
+                        "suffix copies a layer-by-layer load one layer a call (default: units halving "
+                        "toward the last layer)")
     p.add_argument("--limit-load-gbps", type=float, default=None,
                    help="pinned load limit for the TTFT bound when `bandwidth` is not run")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -556,11 +562,12 @@ def main() -> None:
         results["ttft"] = []
         for m, mode, plen in [(m, e, n) for m in models for e in a.engines.split(",") for n in plens]:
             base, *suffixes = mode.split("-")
-            if base not in ("graphs", "eager") or not set(suffixes) <= {"whole", "ask"}:
-                p.error(f"--engines: unknown mode {mode!r} (graphs or eager, then -whole and/or -ask)")
+            if base not in ("graphs", "eager") or not set(suffixes) <= {"whole", "ask", "perlayer"}:
+                p.error(f"--engines: unknown mode {mode!r} (graphs or eager, then -whole, -ask, -perlayer)")
             with tempfile.TemporaryDirectory() as tmp:
                 r = ttft(device, m, plen, a.iters, Path(tmp), limit, a.profile,
-                         eager=base == "eager", layerwise="whole" not in suffixes, speculate="ask" not in suffixes)
+                         eager=base == "eager", layerwise="whole" not in suffixes, speculate="ask" not in suffixes,
+                         layer_copies="per-layer" if "perlayer" in suffixes else "halving")
             results["ttft"].append(r)
             print(f"{m} [{mode}, {r['graph_steps']} grid steps, {r['graph_captures']} captures]: prompt {plen}  cold {r['cold_ms']:.1f} ms  GPU hit {r['gpu_hit_ms']:.1f} ms  "
                   f"CPU hit {r['cpu_hit_ms']:.1f} ms  cold/CPU-hit {r['cold_over_cpu_hit']:.1f}x  "

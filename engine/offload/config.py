@@ -54,6 +54,10 @@ class OffloadConnectorConfig:
     layerwise: bool = True
     """Load a CPU-tier hit layer by layer while the step computes the layers already loaded
     (engine.offload.layerwise); off: the whole copy completes before the step starts."""
+    layer_copies: Literal["halving", "per-layer"] = "halving"
+    """CUDA, layer by layer: ``halving`` copies a load in units of layers that halve toward the
+    last layer (16 layers: 8, 4, 2, 1, 1: fewer, larger copies beside the step; DECISIONS 71);
+    ``per-layer``: one copy per layer (engine.offload.layerwise.copy_units)."""
     speculate: bool = True
     """Start a hit's copies, with no RPC, from the slots the engine remembers (it stored the
     blocks, or a lookup answered them) when the daemon's generation table vouches for them,
@@ -81,5 +85,7 @@ class OffloadConnectorConfig:
             raise ValueError(f"max_pending_store_bytes must be > 0, got {self.max_pending_store_bytes}")
         if self.copy_mode not in COPY_MODES:
             raise ValueError(f"copy_mode must be one of {COPY_MODES}, got {self.copy_mode!r}")
+        if self.layer_copies not in ("halving", "per-layer"):
+            raise ValueError(f"layer_copies must be halving or per-layer, got {self.layer_copies!r}")
         if self.retry_register_s < 0:
             raise ValueError(f"retry_register_s must be >= 0, got {self.retry_register_s}")

@@ -72,7 +72,7 @@ class OffloadingConnector:
             return
         device = self.tier.groups[0].tensor.device
         if self.config.layerwise:
-            self.loads.use_layer_loader(LayerLoader(device))
+            self.loads.use_layer_loader(LayerLoader(device, halving=self.config.layer_copies == "halving"))
         self.worker = OffloadWorker(
             self.client, self.config.engine_id, self.config.lease_ms, self.metrics,
             self.tier.mark_unregistered, device,

@@ -403,6 +403,7 @@ def test_prometheus_export(plain_model: Path, daemon: DaemonProcess) -> None:
         ({"timeout_s": 0}, "timeout_s"),
         ({"max_pending_store_bytes": 0}, "max_pending_store_bytes"),
         ({"copy_mode": "dma"}, "copy_mode"),
+        ({"layer_copies": "units"}, "layer_copies must be halving or per-layer, got 'units'"),
     ],
 )
 def test_config_refuses_bad_values(kwargs: dict[str, object], message: str) -> None:

@@ -1,11 +1,13 @@
 """Layer-by-layer loads from arena slots into KV blocks (engine.offload.layerwise).
 
 On CPU each layer is copied when the step first waits for it (the rest by ``finish``); on CUDA
-the copies run on a load stream with one event per layer, by 2-D DMA where slots and block ids
-both come in runs and by a gather kernel through the mapped arena otherwise."""
+the copies run on a load stream in units of layers (halving toward the last), one event per
+unit, by 2-D DMA where slots and block ids both come in runs and by a gather kernel through the
+mapped arena otherwise."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from engine.offload.copies import ArenaBlocks
-from engine.offload.layerwise import GroupLoad, LayerLoader
+from engine.offload.layerwise import GroupLoad, LayerLoader, _GroupPlan, copy_units
 from offloadd.arena import ArenaGeometry, ArenaMapping, create_chunk_file
 
 SHAPE = (3, 2, 4, 2, 8)  # layers, K/V, tokens, heads, dim
@@ -95,6 +97,29 @@ def test_bad_slots_raise_before_anything_is_copied(arena: ArenaBlocks) -> None:
     assert loads.empty
 
 
+@pytest.mark.parametrize("layers", [1, 2, 3, 10, 16, 28])
+def test_copy_units_halve_toward_a_last_unit_of_one_layer(layers: int) -> None:
+    units = copy_units(layers)
+    assert units[0][0] == 0 and units[-1] == (layers - 1, layers)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(units))  # in order, no gap
+    sizes = [b - a for a, b in units]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] == max(1, layers // 2)
+    assert copy_units(16) == [(0, 8), (8, 12), (12, 14), (14, 15), (15, 16)]
+    assert copy_units(layers, halving=False) == [(li, li + 1) for li in range(layers)]
+
+
+def test_a_unit_of_several_layers_copies_those_layers_only(arena: ArenaBlocks) -> None:
+    ids, slots = [3, 1, 7], [6, 0, 5]
+    src = _stored(arena, ids, slots)
+    kv = torch.zeros(12, *SHAPE)
+    plan = _GroupPlan(GroupLoad(0, arena, kv, [8, 4, 2], slots), None)
+    assert plan.units == [(0, 1), (1, 2), (2, 3)] and not plan.dma  # CPU: the gather path
+    plan.copy_layers(1, 3)
+    assert torch.equal(kv[[8, 4, 2], 1:], src[ids, 1:])
+    assert torch.count_nonzero(kv[:, 0]) == 0
+    assert torch.count_nonzero(kv[[i for i in range(12) if i not in (8, 4, 2)]]) == 0
+
+
 @pytest.fixture
 def shm() -> Iterator[str]:
     root = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -108,7 +133,8 @@ GPU_SHAPE = (10, 2, 4, 2, 8)  # more layers than are issued ahead of the step's 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["runs", "scattered", "runs-across-chunks"])
 @pytest.mark.parametrize("waits", ["every-layer", "three-then-finish"])
-def test_cuda_layer_events_order_each_layer(shm: str, kind: str, waits: str) -> None:
+@pytest.mark.parametrize("halving", [True, False])
+def test_cuda_layer_events_order_each_layer(shm: str, kind: str, waits: str, halving: bool) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     dev = torch.device("cuda")
@@ -122,7 +148,7 @@ def test_cuda_layer_events_order_each_layer(shm: str, kind: str, waits: str) -> 
     torch.cuda.synchronize()
     kv = torch.zeros_like(src)
     targets = list(range(5, 5 + n)) if kind != "scattered" else [1, 4, 6, 10, 12, 14, 20, 39, 24, 25, 26, 50]
-    loader = LayerLoader(dev)
+    loader = LayerLoader(dev, halving=halving)
     loads = loader.new_step()
     loader.load([GroupLoad(0, arena, kv, targets, slots)], loads)
     # Each layer as the step would see it: a stream that waited for that layer only (the
@@ -140,7 +166,7 @@ def test_cuda_layer_events_order_each_layer(shm: str, kind: str, waits: str) -> 
     assert torch.equal(kv[targets], src[ids])
     untouched = [i for i in range(64) if i not in targets]
     assert torch.count_nonzero(kv[untouched]) == 0
-    # Runs go by 2-D DMA (one copy per run and layer), scattered slots by the gather kernel.
+    # Runs go by 2-D DMA (one copy per run and unit), scattered slots by the gather kernel.
     assert loader.issued == ({"kernel": 1} if kind == "scattered" else {"dma": 1})
     arena.close()
     arena.mapping.close()
