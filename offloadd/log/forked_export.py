@@ -1,20 +1,19 @@
 """A checkpoint's chunks cut in the loop in slices, or by a forked child as Redis's BGSAVE does
-(DECISIONS 39, 51, 60, 65).
+(DECISIONS 39, 51, 60, 65, 68).
 
 An export cuts the blocks events.checkpoint_delta planned (``parts``: what changed since the
 previous export, or whole tiers). Few blocks (the common case: what was appended since the
 previous checkpoint) are copied at once (C speed, from each tier's end) and cut in the event
 loop in slices of ~1 ms, each followed by a pause twice as long (the export takes at most a
 third of a busy loop, which keeps up with its streams meanwhile): no fork, whose page-table
-copy stalls the loop longer than such a copy (DECISIONS 65). Many (the first export after a start, a
-tier cleared, removals all over a tier) go to a forked
-child: ``fork()`` gives it an exact copy of the state at this instant (copy-on-write: the parent
-keeps applying records at once); the child cuts it, encodes the chunks whose segments are not
-in ``known``, and streams one frame per chunk through a pipe, ``[kind, address, fingerprint,
-length, end, number of keys]``, the segment's block hashes (8 bytes each: the parent maps them
-to the segment, events.checkpoint_delta), then the bytes unless Redis holds them already
-(``present``), ended by a done
-frame; then it exits with ``os._exit`` (no atexit, no finalizers, no asyncio, no gRPC in the
+copy stalls the loop longer than such a copy (DECISIONS 65). Many (the first export after a
+start, a tier cleared, removals all over a tier) go to a forked child: ``fork()`` gives it an
+exact copy of the state at this instant (copy-on-write: the parent keeps applying records at
+once); the child cuts it, encodes the chunks whose segments are not in ``known``, and streams
+one frame per chunk through a pipe, ``[kind, address, fingerprint, length, end, number of
+keys]``, the segment's block hashes (8 bytes each: the parent maps them to the segment,
+events.checkpoint_book), then the bytes unless Redis holds them already (``present``), ended by
+a done frame; then it exits with ``os._exit`` (no atexit, no finalizers, no asyncio, no gRPC in the
 child). The parent only reads frames and writes new chunks to Redis. A child that dies or
 writes a torn stream fails the checkpoint (the previous one stays in force). Without
 ``os.fork`` every export runs in the loop.
