@@ -6,15 +6,20 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+import grpc
 import pytest
+import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcache.v1 import events_pb2
+from kvcache.v1 import events_pb2, log_pb2, log_pb2_grpc
 
 from events.codec_proto import EventBatch, batch_from_proto, batch_to_proto
+from events.logkeys import LogKeys
+from events.logreader import LogReader
 from events.schema import BlockStored, Event, SchemaError
 from offloadd.edge.batch_bulk import BULK_MIN_EVENTS, batch_from_wire, stored_events
 from tests.events.event_strategies import events, hashes, media, tokens
+from tests.support.offloadd_proc import DaemonProcess
 
 
 @st.composite
@@ -138,3 +143,27 @@ def test_other_encodings_read_as_the_decoder_reads_them(layout: str) -> None:
 def test_small_batches_are_read_one_by_one() -> None:
     raw, msg = _wire(tuple(_plain(BULK_MIN_EVENTS - 1)))
     assert _same(raw, msg) == batch_from_proto(msg)
+
+
+def test_a_daemon_logs_bulk_batches_and_refuses_a_bad_one(daemon: DaemonProcess) -> None:
+    """Through a real daemon and Redis: a bad event in a batch read in bulk is refused with
+    the decoder's message; good batches are logged with exactly their events."""
+    good = [tuple(BlockStored((100 * b + i + 1,), None, (i, 150_000 + i), 2, "GPU")
+                  for i in range(100)) for b in range(2)]
+    bad = batch_to_proto(EventBatch("bulk-engine", 1, 2, 0.0, good[1]))
+    bad.events[7].block_stored.token_ids.append(3)
+    msgs = [batch_to_proto(EventBatch("bulk-engine", 1, 1, 0.0, good[0])), bad,
+            batch_to_proto(EventBatch("bulk-engine", 1, 2, 0.0, good[1]))]
+    with grpc.insecure_channel(daemon.target) as ch:
+        acks = list(log_pb2_grpc.EventIngestStub(ch).Publish(iter(msgs), timeout=20))
+    assert [a.status for a in acks] == [log_pb2.PublishAck.STATUS_APPLIED,
+                                        log_pb2.PublishAck.STATUS_REJECTED,
+                                        log_pb2.PublishAck.STATUS_APPLIED]
+    assert acks[1].message == ("malformed batch: BlockStored.token_ids: expected 2 ids "
+                               "(1 blocks x 2), got 3")
+    client = redis.Redis.from_url(daemon.redis_url)
+    try:
+        records = LogReader(client, LogKeys(daemon.namespace)).read_range(1)
+    finally:
+        client.close()
+    assert [r.events for r in records if r.source == "bulk-engine"] == good
