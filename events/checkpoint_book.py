@@ -21,7 +21,7 @@ from events.checkpoint_cut import Cuts, Piece
 from events.checkpoint_delta import TierCut, TierId, TierTail, tails
 from events.checkpoint_dirty import Touched
 from events.state import CacheState
-from events.state_apply import TierChanges
+from events.state_changes import TierChanges
 
 
 class CutBook:

@@ -22,8 +22,9 @@ from events.schema import (
     Medium,
     validate_event,
 )
-from events.state_apply import TierChanges, TierEdits, TierKey, apply_events
+from events.state_apply import apply_events
 from events.state_chains import export_tier
+from events.state_changes import EditBook, TierChanges, TierKey
 from events.state_tier import BlockEntry, Tier, TierView, store
 
 TIER_WEIGHTS: Final[Mapping[Medium, float]] = MappingProxyType({"GPU": 1.0, "CPU": 0.8})
@@ -77,9 +78,8 @@ class CacheState:
         self._tiers: dict[str, dict[TierKey, Tier]] = {}
         self._fences: dict[str, tuple[int, int]] = {}
         # Per source and tier, changes other than appends (events.state_apply; :meth:`edits`).
-        self._edits: dict[str, TierEdits] = {}
-        # Per source and tier, what those changes were, while a checkpoint writer tracks them.
-        self._changes: dict[str, dict[TierKey, TierChanges]] | None = None
+        self._edit_book = EditBook()
+        self._edits = self._edit_book.by_source  # the hot path's look-up
         self.violations: list[Violation] = []
 
     @property
@@ -115,7 +115,7 @@ class CacheState:
             tiers = self._tiers[source] = {}
         edits = self._edits.get(source)
         if edits is None:
-            edits = self._new_edits(source)
+            edits = self._edit_book.of(source)
         apply_events(tiers, record.events, offset, source, self._violate, edits)
         return ApplyResult.APPLIED
 
@@ -158,16 +158,11 @@ class CacheState:
 
     def _bump(self, source: str, keys: Iterable[TierKey]) -> None:
         """The tiers ``keys`` of ``source`` are replaced or cleared."""
-        edits = self._edits.get(source) or self._new_edits(source)
+        edits = self._edit_book.of(source)
         for key in keys:
             journal = edits.bump(key)
             if journal is not None:
                 journal.mark_reset()
-
-    def _new_edits(self, source: str) -> TierEdits:
-        changes = None if self._changes is None else self._changes.setdefault(source, {})
-        edits = self._edits[source] = TierEdits(changes)
-        return edits
 
     def track_changes(self) -> None:
         """Record, from now on, what each change other than an append was (the hashes
@@ -175,20 +170,12 @@ class CacheState:
         :meth:`take_changes`: what an incremental checkpoint needs to re-cut only the
         segments a removal touched (events.checkpoint_delta). Off by default: a consumer that
         never takes them would keep every removed hash."""
-        if self._changes is None:
-            self._changes = {}
-            for source, edits in self._edits.items():
-                edits.changes = self._changes.setdefault(source, {})
+        self._edit_book.track()
 
     def take_changes(self) -> dict[tuple[str, Medium, int], TierChanges]:
         """What changed per tier other than by appends since the last call (or since
         :meth:`track_changes`), and forget it; empty when not tracking."""
-        out: dict[tuple[str, Medium, int], TierChanges] = {}
-        for source, per_tier in (self._changes or {}).items():
-            for (medium, group), changes in per_tier.items():
-                out[(source, medium, group)] = changes
-            per_tier.clear()  # the same dict: the source's TierEdits holds it
-        return out
+        return self._edit_book.take()
 
     def _violate(self, offset: int, source: str, kind: str, detail: str) -> None:
         self.violations.append(Violation(offset, source, kind, detail))
@@ -261,8 +248,7 @@ class CacheState:
         tier at least as long: the second is the first with blocks appended (what an
         incremental checkpoint relies on, events.checkpoint_cut). One bump per event, not per
         block, on the apply path."""
-        edits = self._edits.get(source)
-        return 0 if edits is None else edits.get((medium, group_idx), 0)
+        return self._edit_book.count(source, (medium, group_idx))
 
     def tiers(self) -> Iterator[tuple[str, Medium, int, Tier]]:
         """``(source, medium, group_idx, tier)`` for each tier, sources sorted; each tier is the

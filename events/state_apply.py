@@ -18,56 +18,13 @@ from events.schema import (
     BlockRemoved,
     BlockStored,
     Event,
-    Medium,
     SchemaError,
     validate_event,
 )
+from events.state_changes import TierEdits, TierKey
 from events.state_tier import Tier
 
-TierKey = tuple[Medium, int]  # (medium, group_idx)
 Violate = Callable[[int, str, str, str], None]  # (offset, source, kind, detail)
-
-
-class TierChanges:
-    """What changed in one tier other than appends, since it was last taken
-    (CacheState.take_changes): hashes removed, hashes stored again in place, or the tier
-    cleared or replaced (``reset``: what it held before does not matter any more)."""
-
-    __slots__ = ("removed", "reset", "rewritten")
-
-    def __init__(self) -> None:
-        self.removed: list[int] = []
-        self.rewritten: list[int] = []
-        self.reset = False
-
-    def mark_reset(self) -> None:
-        self.removed, self.rewritten, self.reset = [], [], True
-
-
-class TierEdits(dict[TierKey, int]):
-    """One source's edit counts per tier (CacheState.edits) and, while a checkpoint writer
-    tracks them (CacheState.track_changes), its :class:`TierChanges` per tier. Both are
-    written only on the paths that change a tier other than by appending (a removal, a
-    hash stored again, a clear), never on an append."""
-
-    __slots__ = ("changes",)
-
-    def __init__(self, changes: dict[TierKey, TierChanges] | None = None) -> None:
-        super().__init__()
-        self.changes = changes
-
-    def bump(self, key: TierKey) -> TierChanges | None:
-        """Count a change of the tier; its journal when changes are tracked."""
-        self[key] = self.get(key, 0) + 1
-        return None if self.changes is None else self.journal(key)
-
-    def journal(self, key: TierKey) -> TierChanges:
-        """The tier's TierChanges (changes tracked only)."""
-        assert self.changes is not None
-        got = self.changes.get(key)
-        if got is None:
-            got = self.changes[key] = TierChanges()
-        return got
 
 
 def apply_events(

@@ -66,7 +66,7 @@ from events.checkpoint import (
 from events.checkpoint_book import CutBook
 from events.checkpoint_cut import Cuts, fences
 from events.checkpoint_delta import TierId
-from events.state_apply import TierChanges
+from events.state_changes import TierChanges
 from offloadd.config import OffloaddConfig
 from offloadd.log.checkpoint_load import CheckpointMissing, get_key, load, pointer_ids, restore
 from offloadd.log.checkpoint_store import CheckpointFailed, CheckpointStore
