@@ -48,7 +48,7 @@ class CutBook:
         for tid, change in changes.items():
             seg_of = self.maps.get(tid)
             counts = self.touched.get(tid, Counter())
-            if change.reset or seg_of is None or counts is None or tid not in self.cuts:
+            if change.reset or seg_of is None or counts is None or not self.mapping or tid not in self.cuts:
                 self.touched[tid] = None
                 self.maps.pop(tid, None)
                 continue

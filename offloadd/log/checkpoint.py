@@ -65,8 +65,6 @@ from events.checkpoint import (
 )
 from events.checkpoint_book import CutBook
 from events.checkpoint_cut import Cuts, fences
-from events.checkpoint_delta import TierId
-from events.state_changes import TierChanges
 from offloadd.config import OffloaddConfig
 from offloadd.log.checkpoint_load import CheckpointMissing, get_key, load, pointer_ids, restore
 from offloadd.log.checkpoint_store import CheckpointFailed, CheckpointStore
@@ -207,13 +205,13 @@ class Checkpointer:
         known = book.known(present)
         state = self.md.state
         state.track_changes()  # from the first export on (what it cuts is the reference)
-        book.mapping = self.track_removals
-        for _ in book.absorb(self._changes(), step=_ABSORB_STEP):
+        book.mapping = self.track_removals  # no maps: a tier with removals is cut whole
+        for _ in book.absorb(state.take_changes(), step=_ABSORB_STEP):
             await asyncio.sleep(0)  # removals placed on segments a slice at a time
         offset = state.offset  # no await from here to the copy or the fork in export_pieces
         ckpt_id = checkpoint_id(self.epoch, offset)
         sources, fork_s = fences(state), list[float]()
-        book.note(self._changes())  # what was applied meanwhile
+        book.note(state.take_changes())  # what was applied meanwhile
         parts = book.plan(state, present, copy=False, cuts=self.cuts,
                           limit=_PLAN_BLOCKS if self.fork else None)
         todo = sum(p.todo for p in parts)
@@ -265,15 +263,6 @@ class Checkpointer:
                  f"(forked in {sum(fork_s) * 1e3:.1f} ms)" if fork else "in the loop")
         await self.store.sweep(kept)
         return manifest
-
-    def _changes(self) -> dict[TierId, TierChanges]:
-        """The reducer's changes since the last call; as a tier reset each without
-        ``track_removals`` (a tier with removals cut whole, as before DECISIONS 68)."""
-        changes = self.md.state.take_changes()
-        if not self.track_removals:
-            for change in changes.values():
-                change.mark_reset()
-        return changes
 
     async def trim(self) -> int:
         """Trim the log to the retention horizon (module docstring); how many records went."""
