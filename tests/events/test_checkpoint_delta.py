@@ -258,3 +258,15 @@ def test_removals_touching_more_than_the_limit_cut_the_tier_whole() -> None:
     d.export(limit=100)  # mapped anew by that whole cut
     assert d.cut < 100
     d.check()
+
+
+def test_a_lost_chunk_beside_removals_is_cut_again_alone() -> None:
+    log = Log()
+    grow(log, "a", 1, 1000)
+    d = Delta(log.state)
+    first = d.check()
+    del d.store[first[len(first) // 2].address]  # Redis lost a chunk in the middle
+    log.put("a", BlockRemoved((3,), "GPU"))
+    got = d.check()
+    assert d.cut < 4 * CUTS.max  # that segment, the one with the hole, the tail
+    assert first[len(first) // 2].address in {p.address for p in got if p.data is not None}
