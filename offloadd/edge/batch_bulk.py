@@ -1,23 +1,25 @@
-"""The stored-block events of a Publish batch read in bulk: one upb parse per batch, not a
-dozen field reads per event.
+"""The stored- and removed-block events of a Publish batch read in bulk: one upb parse per
+batch, not a dozen field reads per event.
 
 ``events.codec_proto.batch_from_proto`` reads a parsed ``EventBatch`` event by event, and each
 field read of a upb message from Python costs 0.1-0.5 us (a repeated field builds a container
 each time): ~3 us per single-block ``BlockStored``, the daemon's largest cost per event in
 vLLM's batch shape (DECISIONS 70). Here the batch's bytes are parsed a second time as
-:data:`_Flat`, a message of the same field numbers in which ``events`` and ``block_stored`` are
-singular: protobuf merges repeated occurrences of a singular message, so every repeated field
-below collects the values of all events in order, in C. Each event's hashes and token ids are
-its packed runs (``bytes``), joined and unpacked once for the batch.
+:data:`_Flat`, a message of the same field numbers in which ``events``, ``block_stored`` and
+``block_removed`` are singular: protobuf merges repeated occurrences of a singular message, so
+every repeated field below collects the values of all events in order, in C. Each event's
+hashes and token ids are its packed runs (``bytes``), joined and unpacked once for the batch;
+when there are removals, the first byte of each event says which kind it is, in order.
 
-The columns line up with the events only when every event is one ``BlockStored`` that carries
-each column exactly once (or, for the fields that default, none does; a parent, set on some
-events only, is found right after each event's hashes): anything else (a removal, a clear,
-extra keys, a LoRA name, a window, a group set on some events only, an unpacked run) returns
-None and the caller reads the message as before, so results and errors are that decoder's. Every
-event returned passes the checks it makes. One difference is possible, for input no protobuf
-encoder writes: an event that repeats a singular field (or splits a packed run) next to an event
-missing it can line up here where the decoder would merge the repeats and refuse the other.
+The columns line up with the events only when every event is one ``BlockStored`` or
+``BlockRemoved`` that carries each column exactly once (or, for the fields that default, none
+of its kind does; a parent, set on some events only, is found right after each event's
+hashes): anything else (a clear, extra keys, a LoRA name, a window, a group set on some events
+only, an empty removal, an unpacked run) returns None and the caller reads the message as
+before, so results and errors are that decoder's. Every event returned passes the checks it
+makes. One difference is possible, for input no protobuf encoder writes: an event that repeats
+a singular field (or splits a packed run) next to an event missing it can line up here where
+the decoder would merge the repeats and refuse the other.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from kvcache.v1 import events_pb2
 
 from events.codec_proto import EventBatch, batch_from_proto
-from events.schema import BlockStored, Event, Medium, SpecKind
+from events.schema import BlockRemoved, BlockStored, Event, Medium, SpecKind
 
 _F = descriptor_pb2.FieldDescriptorProto
 _COLUMNS: Final = (  # BlockStored's fields as columns: (name, number, type)
@@ -48,19 +50,25 @@ _COLUMNS: Final = (  # BlockStored's fields as columns: (name, number, type)
 
 
 def _classes() -> tuple[Any, Any]:
-    """``Batch {Event events = 5}``, ``Event {Stored block_stored = 1; repeated bytes
-    block_removed = 2; repeated bytes all_blocks_cleared = 3}``, ``Stored {repeated <column>}``;
-    and ``Events {repeated bytes events = 5}`` (each event's bytes)."""
+    """``Batch {Event events = 5}``, ``Event {Stored block_stored = 1; Removed block_removed =
+    2; repeated bytes all_blocks_cleared = 3}``, ``Stored {repeated <column>}``, ``Removed
+    {repeated bytes block_hashes = 1; repeated uint32 medium = 2, group_idx = 3}``; and
+    ``Events {repeated bytes events = 5}`` (each event's bytes)."""
     fdp = descriptor_pb2.FileDescriptorProto(
         name="offloadd_edge_batch_bulk.proto", package="offloadd.edge.bulk", syntax="proto3")
     stored = fdp.message_type.add(name="Stored")
     for name, number, kind in _COLUMNS:
         stored.field.add(name=name, number=number, type=kind, label=_F.LABEL_REPEATED)
+    removed = fdp.message_type.add(name="Removed")
+    for name, number, kind in (("block_hashes", 1, _F.TYPE_BYTES), ("medium", 2, _F.TYPE_UINT32),
+                               ("group_idx", 3, _F.TYPE_UINT32)):
+        removed.field.add(name=name, number=number, type=kind, label=_F.LABEL_REPEATED)
     event = fdp.message_type.add(name="Event")
-    event.field.add(name="block_stored", number=1, type=_F.TYPE_MESSAGE, label=_F.LABEL_OPTIONAL,
-                    type_name=".offloadd.edge.bulk.Stored")
-    for name, number in (("block_removed", 2), ("all_blocks_cleared", 3)):
-        event.field.add(name=name, number=number, type=_F.TYPE_BYTES, label=_F.LABEL_REPEATED)
+    for name, number, what in (("block_stored", 1, "Stored"), ("block_removed", 2, "Removed")):
+        event.field.add(name=name, number=number, type=_F.TYPE_MESSAGE,
+                        label=_F.LABEL_OPTIONAL, type_name=f".offloadd.edge.bulk.{what}")
+    event.field.add(name="all_blocks_cleared", number=3, type=_F.TYPE_BYTES,
+                    label=_F.LABEL_REPEATED)
     batch = fdp.message_type.add(name="Batch")
     batch.field.add(name="events", number=5, type=_F.TYPE_MESSAGE, label=_F.LABEL_OPTIONAL,
                     type_name=".offloadd.edge.bulk.Event")
@@ -90,7 +98,12 @@ blocks reads ~25% slower in bulk; 100 single-block events ~2x faster)."""
 def batch_from_wire(raw: bytes, msg: events_pb2.EventBatch) -> EventBatch:
     """``batch_from_proto(msg)``, ``msg`` parsed from ``raw``: the same batch or SchemaError."""
     num_events = len(msg.events)
-    events = stored_events(raw, num_events) if num_events >= BULK_MIN_EVENTS else None
+    events = None
+    if num_events >= BULK_MIN_EVENTS:
+        try:
+            events = stored_events(raw, num_events)
+        except (IndexError, ValueError, struct.error):  # columns that do not line up
+            events = None
     if events is None or not msg.engine_id:
         return batch_from_proto(msg)
     return EventBatch(msg.engine_id, msg.incarnation, msg.seq, msg.ts, events)
@@ -98,13 +111,55 @@ def batch_from_wire(raw: bytes, msg: events_pb2.EventBatch) -> EventBatch:
 
 def stored_events(raw: bytes, num_events: int) -> tuple[Event, ...] | None:
     """The ``num_events`` events of the ``EventBatch`` encoded in ``raw`` (already parsed by
-    the caller: valid protobuf) when all are stored blocks in the usual layout; else None."""
+    the caller: valid protobuf) when all are stored or removed blocks in the usual layout;
+    else None."""
     if num_events == 0:
         return None
     event = _Flat.FromString(raw).events
-    if event.block_removed or event.all_blocks_cleared:
+    if event.all_blocks_cleared:
         return None
-    s = event.block_stored
+    removed_runs: list[bytes] = event.block_removed.block_hashes[:]
+    each: list[bytes] | None = None  # each event's bytes, read when needed
+    if removed_runs:  # which events are removals: the first byte of each (field 2)
+        each = _Events.FromString(raw).events[:]
+        is_stored = [e[:1] == b"\x0a" for e in each]
+        num_stored = sum(is_stored)
+        stored_each = [e for e, s in zip(each, is_stored, strict=True) if s]
+        if num_stored + len(removed_runs) != num_events or len(each) != num_events:
+            return None
+    else:
+        num_stored, stored_each = num_events, None
+    stored = _stored(raw, event.block_stored, num_stored, stored_each) if num_stored else []
+    removed = _removed(event.block_removed, removed_runs) if removed_runs else []
+    if stored is None or removed is None:
+        return None
+    if each is None:
+        return tuple(stored)
+    next_stored, next_removed = iter(stored), iter(removed)
+    return tuple(next(next_stored) if s else next(next_removed) for s in is_stored)
+
+
+def _removed(r: Any, runs: list[bytes]) -> list[Event] | None:
+    """The removals' columns as events (None: not one of each per event, or refused)."""
+    n = len(runs)
+    media: list[int] = r.medium[:]
+    groups = _column(r.group_idx[:], n, 0)
+    hashes = _hashes(runs)
+    if len(media) != n or groups is None or hashes is None or not _MEDIUM.keys() >= set(media):
+        return None
+    out: list[Event] = []
+    at = 0
+    for run, m, group in zip(runs, media, groups, strict=True):
+        num = len(run) >> 3
+        out.append(BlockRemoved(hashes[at:at + num], _MEDIUM[m], group))
+        at += num
+    return out
+
+
+def _stored(raw: bytes, s: Any, num_events: int,
+            each: list[bytes] | None) -> list[Event] | None:
+    """The stored blocks' columns as events (None: they do not line up, or one is refused);
+    ``each``: the stored events' bytes when already read."""
     runs: list[bytes] = s.block_hashes[:]
     token_runs: list[bytes] = s.token_ids[:]
     sizes: list[int] = s.block_size[:]
@@ -115,7 +170,7 @@ def stored_events(raw: bytes, num_events: int) -> tuple[Event, ...] | None:
         return None
     groups = _column(s.group_idx[:], num_events, 0)
     kinds = _column(s.kv_cache_spec_kind[:], num_events, 0)
-    parents = _parents(raw, s.parent_block_hash[:], runs)
+    parents = _parents(raw, s.parent_block_hash[:], runs, each)
     if groups is None or kinds is None or parents is None:
         return None
     if 0 in sizes or not _MEDIUM.keys() >= set(media) or not _KIND.keys() >= set(kinds):
@@ -139,7 +194,7 @@ def stored_events(raw: bytes, num_events: int) -> tuple[Event, ...] | None:
                                group, kind[k]))
         at_hash += num_hashes
         at_token += num_tokens
-    return tuple(out)
+    return out
 
 
 def _column(values: list[Any], n: int, default: Any) -> list[Any] | None:
@@ -149,14 +204,19 @@ def _column(values: list[Any], n: int, default: Any) -> list[Any] | None:
     return values if len(values) == n else None
 
 
-def _parents(raw: bytes, values: list[int], runs: list[bytes]) -> list[int | None] | None:
+def _parents(raw: bytes, values: list[int], runs: list[bytes],
+             each: list[bytes] | None) -> list[int | None] | None:
     """Each event's parent: all or none have one, or, in the usual field order (the parent
     right after the hashes), those whose hashes are followed by one."""
     n = len(runs)
     if not values or len(values) == n:
         return _column(values, n, None)
     has: list[bool] = []
-    for event, run in zip(_Events.FromString(raw).events, runs, strict=True):
+    if each is None:
+        each = _Events.FromString(raw).events[:]
+    if len(each) != n:
+        return None
+    for event, run in zip(each, runs, strict=True):
         # KvEvent: 0x0a <len> BlockStored: 0x0a <len> hashes [0x11 parent] ...
         if event[0] != 0x0A:
             return None

@@ -16,7 +16,7 @@ from kvcache.v1 import events_pb2, log_pb2, log_pb2_grpc
 from events.codec_proto import EventBatch, batch_from_proto, batch_to_proto
 from events.logkeys import LogKeys
 from events.logreader import LogReader
-from events.schema import BlockStored, Event, SchemaError
+from events.schema import BlockRemoved, BlockStored, Event, SchemaError
 from offloadd.edge.batch_bulk import BULK_MIN_EVENTS, batch_from_wire, stored_events
 from tests.events.event_strategies import events, hashes, media, tokens
 from tests.support.offloadd_proc import DaemonProcess
@@ -35,6 +35,9 @@ def plain_stored(draw: st.DrawFn, group: int) -> BlockStored:
 
 plain_batches = st.integers(0, 2).flatmap(  # one group per batch (mixed ones are handed back)
     lambda g: st.lists(plain_stored(g), min_size=BULK_MIN_EVENTS, max_size=30))
+removals = st.builds(BlockRemoved, st.lists(hashes, min_size=1, max_size=3).map(tuple), media)
+evicting_batches = st.integers(0, 2).flatmap(  # stores and removals interleaved (one group)
+    lambda g: st.lists(plain_stored(g) | removals, min_size=BULK_MIN_EVENTS, max_size=30))
 
 
 def _wire(evs: tuple[Event, ...], engine_id: str = "e") -> tuple[bytes, events_pb2.EventBatch]:
@@ -64,6 +67,14 @@ def test_plain_batches_read_in_bulk_as_the_decoder_reads_them(evs: list[BlockSto
 
 
 @settings(max_examples=150, deadline=None)
+@given(evicting_batches)
+def test_stores_and_removals_read_in_bulk_in_their_order(evs: list[Event]) -> None:
+    raw, msg = _wire(tuple(evs))
+    assert stored_events(raw, len(evs)) == tuple(evs)
+    assert _same(raw, msg) == EventBatch("e", 3, 7, 1.5, tuple(evs))
+
+
+@settings(max_examples=150, deadline=None)
 @given(st.lists(events, min_size=BULK_MIN_EVENTS, max_size=12))
 def test_any_batch_reads_as_the_decoder_reads_it(evs: list[Event]) -> None:
     _same(*_wire(tuple(evs)))  # removals, clears, extra keys, LoRA, windows: handed back
@@ -88,6 +99,19 @@ def test_a_bad_event_is_refused_with_the_decoders_message(break_it: Any) -> None
     break_it(msg.events[4].block_stored)
     raw = msg.SerializeToString()
     assert _same(raw, events_pb2.EventBatch.FromString(raw)) is None
+
+
+@pytest.mark.parametrize("break_it", [
+    lambda m: setattr(m, "medium", events_pb2.MEDIUM_UNSPECIFIED),
+    lambda m: setattr(m, "medium", 9),
+    lambda m: m.ClearField("block_hashes"),  # an empty removal is valid: read one by one
+])
+def test_a_removal_beside_stores_reads_as_the_decoder_reads_it(break_it: Any) -> None:
+    evs: list[Event] = [*_plain(), BlockRemoved((5, 6), "GPU", 1), *_plain(3)]
+    _, msg = _wire(tuple(evs))
+    break_it(msg.events[10].block_removed)
+    raw = msg.SerializeToString()
+    _same(raw, events_pb2.EventBatch.FromString(raw))
 
 
 def test_empty_engine_id_is_refused_as_before() -> None:
