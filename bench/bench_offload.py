@@ -179,7 +179,8 @@ def _layer_loads(kv: torch.Tensor, ids: list[int], scattered: list[int], runs: l
     one layer a copy (``per-layer``): scattered slots into random block ids (one gather kernel
     per copy), and a run of slots into a run of block ids, as fresh blocks are handed out (one
     2-D DMA copy per unit)."""
-    from engine.offload.layerwise import GroupLoad, LayerLoader
+    from engine.offload.layer_plan import GroupLoad
+    from engine.offload.layerwise import LayerLoader
 
     arena = ArenaBlocks(ArenaMapping(geometry), block_shape, dtype, device)
     first = rng.randrange(1, kv.shape[0] - len(ids) + 1)

@@ -57,7 +57,7 @@ class OffloadConnectorConfig:
     layer_copies: Literal["halving", "per-layer"] = "halving"
     """CUDA, layer by layer: ``halving`` copies a load in units of layers that halve toward the
     last layer (16 layers: 8, 4, 2, 1, 1: fewer, larger copies beside the step; DECISIONS 71);
-    ``per-layer``: one copy per layer (engine.offload.layerwise.copy_units)."""
+    ``per-layer``: one copy per layer (engine.offload.layer_plan.copy_units)."""
     speculate: bool = True
     """Start a hit's copies, with no RPC, from the slots the engine remembers (it stored the
     blocks, or a lookup answered them) when the daemon's generation table vouches for them,

@@ -7,15 +7,16 @@ layer by layer lets them overlap, so a hit costs about the copy plus one layer o
 
 - CUDA: the copies run on one load stream, in layer order, ordered after the work enqueued
   so far, layer 0 of every block first, in units of layers that halve toward the last layer
-  (:func:`copy_units`; 16 layers: 8, 4, 2, 1, 1); one event per unit is recorded once its
-  layers of every block are in place. The step waits on its layer's unit right before the
-  layer (the eager attention backend, or between per-layer CUDA graph segments:
-  engine.step_graphs). The units starting within ``LOOKAHEAD_LAYERS`` layers are issued at
+  (engine.offload.layer_plan.copy_units; 16 layers: 8, 4, 2, 1, 1); one event per unit is
+  recorded once its layers of every block are in place. The step waits on its layer's unit
+  right before the layer (the eager attention backend, or between per-layer CUDA graph
+  segments: engine.step_graphs). The units starting within ``LOOKAHEAD_LAYERS`` layers are issued at
   admission and each wait issues those starting within that many layers after it, so the host
   launches the step's first layers right after the first copies. Per unit, blocks whose slots
   and GPU block ids both follow on go as one 2-D DMA copy per run (``cudaMemcpy2DAsync``: rows
   of the unit's bytes, pitched by the block's bytes on both sides); scattered ones as one
   gather kernel through the mapped arena.
+  How each group's blocks are planned and copied is engine.offload.layer_plan.
 - CPU: nothing runs concurrently with the step, so each layer is copied when the step first
   waits for it; every layer left is copied before the next step (:meth:`LayerLoads.finish`).
 
@@ -26,137 +27,12 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-import numpy as np
 import torch
-from torch import Tensor
 
-from engine.offload.copies import ArenaBlocks
-from engine.offload.cuda_runtime import CUDA_MEMCPY_DEFAULT, find_cuda_memcpy_2d, loaded_cudart
-
-
-@dataclass(frozen=True)
-class GroupLoad:
-    """One group's share of a load: ``kv[block_ids[i]] = arena slot slots[i]`` (engine blocks)."""
-
-    group_idx: int
-    arena: ArenaBlocks
-    kv: Tensor  # [num_blocks, layers, ...]
-    block_ids: Sequence[int]
-    slots: Sequence[int]
-
-
-def _layer_dtype(layer_bytes: int, fallback: torch.dtype) -> torch.dtype:
-    """Move one layer of a block as wide elements where its size allows (fewer accesses)."""
-    for dtype, n in ((torch.complex128, 16), (torch.int64, 8)):
-        if layer_bytes % n == 0:
-            return dtype
-    return fallback
-
-
-def copy_units(num_layers: int, halving: bool = True) -> list[tuple[int, int]]:
-    """The layer ranges ``[a, b)`` that a load copies with one call each (CUDA).
-
-    A 4,096-token CPU hit on an H200 (256 blocks, 8 MiB a layer) took ~0.5 ms less with these
-    units than with 16 per-layer copies in the same run, though the same copies issued back to
-    back with no step beside them moved at the same rate either way (DECISIONS 71): fewer,
-    larger copies while the step runs. The step waits for the unit of the layer it reaches and
-    only the compute of the last unit comes after the last copy, so the units halve toward the
-    end and the last is one layer. ``halving`` False: one unit per layer."""
-    if not halving:
-        return [(li, li + 1) for li in range(num_layers)]
-    units, a = [], 0
-    while num_layers - a > 1:
-        b = a + (num_layers - a) // 2
-        units.append((a, b))
-        a = b
-    units.append((a, num_layers))
-    return units
-
-
-class _GroupPlan:
-    """How one group's blocks move, layer by layer."""
-
-    def __init__(self, load: GroupLoad, memcpy_2d: object | None, halving: bool = True) -> None:
-        self.load = load
-        kv, arena = load.kv, load.arena
-        self.layers = int(kv.shape[1])
-        self.units = copy_units(self.layers, halving)
-        self.block_bytes = kv[0].numel() * kv.element_size()
-        if self.block_bytes % self.layers:
-            raise ValueError(f"a block of {self.block_bytes} bytes does not split into {self.layers} layers")
-        self.layer_bytes = self.block_bytes // self.layers
-        self.dtype = _layer_dtype(self.layer_bytes, kv.dtype)
-        if len(load.block_ids) != len(load.slots):
-            raise ValueError(f"{len(load.block_ids)} blocks but {len(load.slots)} slots")
-        # In numpy: a 4096-token hit plans 256 blocks, on the host's path to its first copy.
-        spc = arena.geometry.slots_per_chunk
-        slots = np.asarray(load.slots, dtype=np.int64)
-        ids = np.asarray(load.block_ids, dtype=np.int64)
-        order = np.lexsort((ids, slots))  # by slot, then block id
-        slots, ids = slots[order], ids[order]
-        for s in (int(slots[0]), int(slots[-1])):
-            if not 0 <= s < arena.geometry.max_slots:
-                raise IndexError(f"slot {s} outside [0, {arena.geometry.max_slots})")
-        chunk, local = np.divmod(slots, spc)
-        # Per chunk file: (slots inside the chunk, block ids), in slot order.
-        bounds = np.flatnonzero(chunk[1:] != chunk[:-1]) + 1
-        self.chunks: dict[int, tuple[list[int], list[int]]] = {
-            int(chunk[a]): (local[a:b].tolist(), ids[a:b].tolist())
-            for a, b in zip([0, *bounds.tolist()], [*bounds.tolist(), len(slots)], strict=True)
-        }
-        # Runs where the slot (inside one chunk) and the block id both go up by one:
-        # [chunk, first local slot, first block id, length].
-        brk = np.ones(len(slots), dtype=bool)
-        brk[1:] = (np.diff(slots) != 1) | (np.diff(ids) != 1) | (chunk[1:] != chunk[:-1])
-        starts = np.flatnonzero(brk)
-        lengths = np.diff(starts, append=len(slots))
-        runs = list(zip(chunk[starts].tolist(), local[starts].tolist(), ids[starts].tolist(),
-                        lengths.tolist(), strict=True))
-        cuda = kv.is_cuda
-        pageable = cuda and any(arena.chunk_is_pageable(c) for c in self.chunks)
-        self.dma = bool(cuda and memcpy_2d is not None and not pageable and len(runs) * 4 <= len(slots))
-        self.pageable = pageable
-        self.dma_runs = [(arena.host_chunk(c).data_ptr() + s * self.block_bytes,
-                          kv.data_ptr() + b * self.block_bytes, n) for c, s, b, n in runs] if self.dma else []
-        # Gather path: per chunk, the source as [slots, layers, elements] (the device alias on
-        # CUDA) and the two index tensors, made once for every layer. On CUDA the indices are
-        # uploaded on the current stream, which the load stream waits for (LayerLoads.add).
-        self._gathers: list[tuple[Tensor, Tensor, Tensor]] = []
-        self._dst: Tensor | None = None
-        if not self.dma:
-            self._prepare_gathers()
-
-    def _prepare_gathers(self) -> None:
-        kv, arena = self.load.kv, self.load.arena
-        dev = kv.device
-        self._dst = kv.view(kv.shape[0], -1).view(torch.uint8).view(kv.shape[0], self.layers, -1).view(self.dtype)
-        for c, (local, ids) in self.chunks.items():
-            view = arena.device_chunk(c) if kv.is_cuda and not self.pageable else arena.host_chunk(c)
-            src = view.view(torch.uint8).view(view.shape[0], self.layers, -1).view(self.dtype)
-            local_t = arena.index(local, torch.device("cpu") if self.pageable else dev)
-            self._gathers.append((src, local_t, arena.index(ids, dev)))
-
-    def copy_layers(self, a: int, b: int, memcpy_2d: Callable[..., int] | None = None,
-                    handle: ctypes.c_void_p | None = None) -> None:
-        """Enqueue (CUDA: on ``handle``'s stream for DMA, else on the current stream) or do
-        (CPU) the copy of layers ``[a, b)`` of every block."""
-        if self.dma:
-            assert memcpy_2d is not None
-            off, bb, width = a * self.layer_bytes, self.block_bytes, (b - a) * self.layer_bytes
-            for src_ptr, dst_ptr, n in self.dma_runs:
-                err = memcpy_2d(dst_ptr + off, bb, src_ptr + off, bb, width, n, CUDA_MEMCPY_DEFAULT, handle)
-                if err != 0:
-                    raise RuntimeError(f"cudaMemcpy2DAsync of layers {a}-{b - 1} failed: error {err}")
-            return
-        assert self._dst is not None
-        dst = self._dst[:, a:b]
-        for src, local, ids in self._gathers:
-            rows = src[:, a:b].index_select(0, local)
-            dst.index_copy_(0, ids, rows.to(dst.device) if self.pageable else rows)
-
+from engine.offload.cuda_runtime import find_cuda_memcpy_2d, loaded_cudart
+from engine.offload.layer_plan import GroupLoad, GroupPlan
 
 LOOKAHEAD_LAYERS = 4
 """CUDA: units starting within this many layers after the layer the step waits for are issued
@@ -167,7 +43,7 @@ right after the first copies instead of after all of them (the host issues both 
 class _Pending:
     """A plan of this step, and how far it got: layers issued (CUDA) or copied (CPU)."""
 
-    def __init__(self, plan: _GroupPlan) -> None:
+    def __init__(self, plan: GroupPlan) -> None:
         self.plan = plan
         self.next = 0  # CUDA: units [0, next) issued
         self.copied = [False] * plan.layers  # CPU
@@ -192,7 +68,7 @@ class LayerLoads:
     def empty(self) -> bool:
         return not self._pending
 
-    def add(self, plans: Sequence[_GroupPlan], timing: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
+    def add(self, plans: Sequence[GroupPlan], timing: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
         pending = [_Pending(p) for p in plans]
         if not self.is_cuda or not pending:
             self._pending.extend(pending)
@@ -274,8 +150,8 @@ class LayerLoader:
     def __init__(self, device: torch.device, halving: bool = True) -> None:
         self.device = device
         self.halving = halving
-        """CUDA: copy in units that halve toward the last layer (:func:`copy_units`); False:
-        one copy per layer."""
+        """CUDA: copy in units that halve toward the last layer
+        (engine.offload.layer_plan.copy_units); False: one copy per layer."""
         self.is_cuda = device.type == "cuda"
         # One stream, layers in order. With two (layers alternating, to hide each copy's tail)
         # the copy engine did not keep the layers in order, and the step, which waits for them
@@ -298,7 +174,7 @@ class LayerLoader:
         """Plan every group's copies and hand them to ``into`` (CUDA: the first layers are
         issued now, layer 0 of every group first). Bad input raises before anything is
         issued. ``timing`` (CUDA) is recorded around the step's copies."""
-        plans = [_GroupPlan(g, self._memcpy_2d, self.halving) for g in groups if len(g.block_ids)]
+        plans = [GroupPlan(g, self._memcpy_2d, self.halving) for g in groups if len(g.block_ids)]
         for p in plans:
             path = "dma" if p.dma else "kernel"
             self.issued[path] = self.issued.get(path, 0) + 1
@@ -316,7 +192,7 @@ class LayerLoader:
         timing[0].record(current)
         self._stream.wait_event(timing[0])
 
-    def issue(self, plan: _GroupPlan, a: int, b: int) -> torch.cuda.Event:
+    def issue(self, plan: GroupPlan, a: int, b: int) -> torch.cuda.Event:
         """Enqueue layers ``[a, b)`` of the plan; returns the event recorded after them. On the
         host's critical path: no stream context or new event for DMA copies."""
         st = self._stream

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.offload.config import OffloadConnectorConfig
-from engine.offload.layerwise import GroupLoad, LayerLoader, LayerLoads
+from engine.offload.layer_plan import GroupLoad
+from engine.offload.layerwise import LayerLoader, LayerLoads
 from engine.offload.lookup import GroupHitInput, hit_length, lookup_keys, plan_load
 from engine.offload.metrics import OffloadMetrics
 from engine.offload.tier import HostTier

@@ -20,7 +20,7 @@ import numpy as np
 from engine.block_pool import NULL_BLOCK_ID
 from engine.kv_cache import KVCacheGroup, first_visible_block
 from engine.offload.copies import ArenaBlocks
-from engine.offload.layerwise import GroupLoad
+from engine.offload.layer_plan import GroupLoad
 
 
 @dataclass(frozen=True)

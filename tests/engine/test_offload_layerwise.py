@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from engine.offload.copies import ArenaBlocks
-from engine.offload.layerwise import GroupLoad, LayerLoader, _GroupPlan, copy_units
+from engine.offload.layer_plan import GroupLoad, GroupPlan, copy_units
+from engine.offload.layerwise import LayerLoader
 from offloadd.arena import ArenaGeometry, ArenaMapping, create_chunk_file
 
 SHAPE = (3, 2, 4, 2, 8)  # layers, K/V, tokens, heads, dim
@@ -112,7 +113,7 @@ def test_a_unit_of_several_layers_copies_those_layers_only(arena: ArenaBlocks) -
     ids, slots = [3, 1, 7], [6, 0, 5]
     src = _stored(arena, ids, slots)
     kv = torch.zeros(12, *SHAPE)
-    plan = _GroupPlan(GroupLoad(0, arena, kv, [8, 4, 2], slots), None)
+    plan = GroupPlan(GroupLoad(0, arena, kv, [8, 4, 2], slots), None)
     assert plan.units == [(0, 1), (1, 2), (2, 3)] and not plan.dma  # CPU: the gather path
     plan.copy_layers(1, 3)
     assert torch.equal(kv[[8, 4, 2], 1:], src[ids, 1:])
