@@ -2,7 +2,9 @@
 
 The daemon's recovery, the bridge, subscribers, tests and ``kvctl replay`` all call
 :meth:`CacheState.apply`. It does no I/O and never raises on bad content: anything odd in the
-log is recorded as a :class:`Violation` so that replays can report it.
+log is recorded as a :class:`Violation` so that replays can report it. How records change the
+tiers is events.state_apply; what changed besides appends, events.state_changes; a state as
+plain data (:class:`Snapshot`), events.state_snapshot.
 """
 
 from __future__ import annotations
@@ -14,18 +16,16 @@ from typing import Final
 
 import msgspec
 
-from events.schema import (
-    MEDIA,
-    BlockHash,
-    BlockStored,
-    LogRecord,
-    Medium,
-    validate_event,
-)
+from events.schema import MEDIA, BlockHash, LogRecord, Medium
 from events.state_apply import apply_events
-from events.state_chains import export_tier
 from events.state_changes import EditBook, TierChanges, TierKey
-from events.state_tier import BlockEntry, Tier, TierView, store
+from events.state_snapshot import Snapshot, SourceSnapshot, snapshot_of, tiers_of
+from events.state_tier import BlockEntry, Tier, TierView
+
+__all__ = [  # Snapshot and SourceSnapshot live in events.state_snapshot; imported from here too
+    "TIER_WEIGHTS", "ApplyResult", "BlockEntry", "CacheState", "PrefixMatch", "Snapshot",
+    "SourceSnapshot", "Violation",
+]
 
 TIER_WEIGHTS: Final[Mapping[Medium, float]] = MappingProxyType({"GPU": 1.0, "CPU": 0.8})
 
@@ -54,20 +54,6 @@ class PrefixMatch(msgspec.Struct, frozen=True):
     num_gpu: int
     num_cpu: int
     score: float
-
-
-class SourceSnapshot(msgspec.Struct, frozen=True):
-    """One source's fence (incarnation 0 = unfenced) and resident blocks, parents first."""
-
-    source: str
-    incarnation: int
-    last_seq: int
-    events: tuple[BlockStored, ...]
-
-
-class Snapshot(msgspec.Struct, frozen=True):
-    offset: int
-    sources: tuple[SourceSnapshot, ...]
 
 
 class CacheState:
@@ -267,14 +253,7 @@ class CacheState:
 
     def export(self) -> Snapshot:
         """The state as BlockStored events, each parent before any child that references it."""
-        out: list[SourceSnapshot] = []
-        for source in self.sources():
-            events: list[BlockStored] = []
-            for (medium, group), tier in self._tiers.get(source, {}).items():
-                events.extend(export_tier(tier, medium, group))
-            inc, seq = self._fences.get(source, (0, 0))
-            out.append(SourceSnapshot(source, inc, seq, tuple(events)))
-        return Snapshot(self._offset, tuple(out))
+        return snapshot_of(self._offset, self.sources(), self._tiers, self._fences)
 
     @classmethod
     def from_snapshot(cls, snap: Snapshot) -> CacheState:
@@ -291,18 +270,10 @@ class CacheState:
         one state, a reader jumping over a gap to a checkpoint). The violations found so far
         are kept: they are history, not state. SchemaError on an invalid event, and then this
         state is unchanged."""
-        tiers_of: dict[str, dict[TierKey, Tier]] = {}
-        fences: dict[str, tuple[int, int]] = {}
-        for src in snap.sources:
-            tiers = tiers_of.setdefault(src.source, {})
-            if src.incarnation != 0:
-                fences[src.source] = (src.incarnation, src.last_seq)
-            for event in src.events:
-                validate_event(event)
-                store(tiers.setdefault((event.medium, event.group_idx), {}), event)
-        for source in self._tiers.keys() | tiers_of.keys():  # every tier is replaced
-            self._bump(source, self._tiers.get(source, {}).keys() | tiers_of.get(source, {}).keys())
-        self._offset, self._tiers, self._fences = snap.offset, tiers_of, fences
+        tiers, fences = tiers_of(snap)
+        for source in self._tiers.keys() | tiers.keys():  # every tier is replaced
+            self._bump(source, self._tiers.get(source, {}).keys() | tiers.get(source, {}).keys())
+        self._offset, self._tiers, self._fences = snap.offset, tiers, fences
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CacheState):
