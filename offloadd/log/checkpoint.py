@@ -30,10 +30,9 @@ Writing (:class:`Checkpointer`, a background task of the daemon):
    so a torn newest falls back to its predecessor), with the chunks no kept checkpoint lists
    (those of dropped checkpoints and of writes that never finished): a chunk a kept manifest
    lists is never deleted;
-5. the log is trimmed to the retention horizon: each of ``retention_records``, ``retention_s``
-   and ``retention_bytes`` is a floor of what is kept and the horizon is the oldest of them (the
-   one keeping most), but never past the oldest kept checkpoint's offset + 1, and the last
-   record always stays (readers find the log's end and epoch in it).
+5. the log is trimmed to the retention horizon (offloadd.log.retention: the oldest of the
+   retention floors, never past the oldest kept checkpoint's offset + 1; the last record
+   always stays).
 
 The format (manifest, chunks, checksums, the usability rule) is events.checkpoint, shared with
 kv-bridge and kvctl, which bootstrap from the same checkpoints; this module does the daemon's
@@ -70,6 +69,7 @@ from offloadd.log.checkpoint_load import CheckpointMissing, get_key, load, point
 from offloadd.log.checkpoint_store import CheckpointFailed, CheckpointStore
 from offloadd.log.forked_export import ExportFailed, export_pieces
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
+from offloadd.log.retention import horizon
 
 log = logging.getLogger(__name__)
 
@@ -270,18 +270,9 @@ class Checkpointer:
         kept = [int(i.split("-", 1)[0]) for i in pointer_ids(self._pointer)
                 if i.endswith("-" + self.epoch[:8])]
         first, length = await self._bounds()
-        head = md.head
         if not kept or first == 0:
             return 0
-        floors = [head + 1]
-        if cfg.retention_records:
-            floors.append(head - cfg.retention_records + 1)
-        if cfg.retention_s:
-            floors.append(await self._first_since(time.time() - cfg.retention_s, first, head))
-        if cfg.retention_bytes and length:
-            usage = int(await md.client.memory_usage(md.keys.log) or 0)
-            floors.append(head - cfg.retention_bytes * length // max(usage, 1) + 1)
-        min_offset = min(min(floors), min(kept) + 1, head)
+        min_offset = await horizon(md, cfg, kept, first, length)
         if min_offset <= first:
             return 0
         num = await md.trim_log(min_offset)
@@ -289,18 +280,6 @@ class Checkpointer:
         log.info("log trimmed: %d records before offset %d dropped", num, min_offset)
         await self._bounds()
         return num
-
-    async def _first_since(self, cutoff: float, lo: int, hi: int) -> int:
-        """The first offset in [lo, hi] whose record is stamped at or after ``cutoff``."""
-        end = hi + 1
-        while lo < end:
-            mid = (lo + end) // 2
-            records = await self.md.read_range(mid, 1, validate=False)
-            if records and records[0].ts >= cutoff:
-                end = mid
-            else:
-                lo = mid + 1
-        return lo
 
     async def _bounds(self) -> tuple[int, int]:
         first, length = await self.md.log_bounds()
