@@ -20,9 +20,9 @@ from offloadd.log.retention import first_since, horizon
 def test_the_horizon_is_the_oldest_floor_within_the_kept_checkpoints(redis_url: str) -> None:
     keys = LogKeys("retention-horizon")
 
-    def cfg(**kw: float) -> OffloaddConfig:
-        return OffloaddConfig(namespace=keys.namespace,
-                              **{"retention_records": 0, "retention_s": 0.0, "retention_bytes": 0, **kw})
+    def cfg(retention_records: int = 0, retention_s: float = 0.0, retention_bytes: int = 0) -> OffloaddConfig:
+        return OffloaddConfig(namespace=keys.namespace, retention_records=retention_records,
+                              retention_s=retention_s, retention_bytes=retention_bytes)
 
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_url)
