@@ -58,7 +58,9 @@ STAGES = [("", "prepare_prompt"), ("", "add_prepared"), ("", "step"), ("", "_app
           ("kv", "register_full_blocks"), ("kv", "free"), ("", "_launch"), ("", "_outputs"), ("", "_free_ending"),
           ("runner.graphs", "run"), ("runner.graphs", "_values"), ("chain", "pick"), ("chain", "tokens")]
 # (module, class, method): stages of objects made inside a step (timed on their class).
-CLASS_STAGES = [("engine.step_graphs", "_Inputs", "upload"), ("engine.step_graphs", "_Inputs", "launched")]
+CLASS_STAGES = [("engine.grid_buffers", "GridInputs", "upload"), ("engine.grid_buffers", "GridInputs", "launched"),
+                # the trees before engine.grid_buffers
+                ("engine.step_graphs", "_Inputs", "upload"), ("engine.step_graphs", "_Inputs", "launched")]
 
 
 def _wrap(engine: Any, spent: dict[str, float]) -> list[tuple[Any, str]]:

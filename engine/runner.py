@@ -33,12 +33,13 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from engine.grid_buffers import GridRow
 from engine.kv_cache import KVCacheGroup, first_visible_block
 from engine.kv_connector import LayerWaits
 from engine.kv_manager import KVCacheManager
 from engine.model.llama import KVRows, LlamaForCausalLM
 from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.step_graphs import GridRow, StepGraphs
+from engine.step_graphs import StepGraphs
 from engine.step_inputs import StepUpload, token_positions, write_rows
 
 if TYPE_CHECKING:

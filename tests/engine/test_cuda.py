@@ -197,8 +197,9 @@ def _grid_attention_case(device: str, dtype: torch.dtype, rows: int, queries: in
     """The Triton grid attention and the eager grid formula on one random layer: (kernel, eager,
     valid query rows)."""
     from engine import grid_kernels
+    from engine.grid_attention import GridAttention
+    from engine.grid_buffers import GridShape
     from engine.kv_cache import KVCacheGroup, KVCacheGroupSpec
-    from engine.step_graphs import GridShape, _GridAttention
 
     g = torch.Generator().manual_seed(rows * 100 + queries * 10 + nb)
     layers, bs, hkv, hq, d = 3, 16, 2, 8, 64
@@ -216,9 +217,9 @@ def _grid_attention_case(device: str, dtype: torch.dtype, rows: int, queries: in
     q = torch.randn(rows * queries, hq + hkv, d, generator=g).to(device, dtype)[:, :hq]
     out = grid_kernels.grid_attention(q, cache, 1, gather, hidden, rows, queries)
     spec = KVCacheGroupSpec(0, "full_attention", None, tuple(range(layers)))
-    eager = _GridAttention([KVCacheGroup(spec, cache, bs)], {i: (0, i) for i in range(layers)},
-                           GridShape(rows, queries, (nb,)), [torch.zeros(layers, 2, rows * queries, dtype=torch.long,
-                                                                         device=device)], [gather], [hidden])
+    eager = GridAttention([KVCacheGroup(spec, cache, bs)], {i: (0, i) for i in range(layers)},
+                          GridShape(rows, queries, (nb,)), [torch.zeros(layers, 2, rows * queries, dtype=torch.long,
+                                                                        device=device)], [gather], [hidden])
     eager.flat = [torch.zeros(8, hkv, d, dtype=dtype, device=device)]  # its K/V writes go to scratch
     scratch = torch.zeros(rows * queries, hkv, d, dtype=dtype, device=device)
     with pytest.MonkeyPatch.context() as mp:

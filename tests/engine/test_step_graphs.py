@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
+from engine.grid_buffers import GridRow, GridShape
 from engine.llm import LLM
-from engine.step_graphs import GridRow, GridShape, StepGraphs
+from engine.step_graphs import StepGraphs
 from tests.engine.hf_reference import GREEDY, check_logits, prompt_ids
 
 
