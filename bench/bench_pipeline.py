@@ -272,8 +272,9 @@ def run_bare(streams: list[list[tuple[Event, ...]]]) -> dict[str, Any]:
     return {**got, "block_events_per_s": total / max(got["seconds"], 1e-9)}
 
 
-def run_xadd(work: Path, streams: list[list[tuple[Event, ...]]]) -> dict[str, Any]:
-    redis_proc = RedisProcess(work / f"redis-xadd-{time.monotonic_ns()}")
+def run_xadd(work: Path, streams: list[list[tuple[Event, ...]]],
+             redis_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    redis_proc = RedisProcess(work / f"redis-xadd-{time.monotonic_ns()}", extra_args=redis_args)
     redis_proc.start()
     client = redis.Redis.from_url(redis_proc.url)
     keys = LogKeys()
@@ -302,9 +303,13 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of each shape's batches")
     ap.add_argument("--rate", type=float, default=50_000, help="block events/s of shape c")
     ap.add_argument("--seconds", type=float, default=5.0, help="length of shape c")
+    ap.add_argument("--aof-min-size", default="512mb",
+                    help="redis-server --auto-aof-rewrite-min-size of the pipeline's Redis: 512mb as\n"
+                         "kv-stack and compose run it (DECISIONS 68); '' for Redis's default (64mb)")
     ap.add_argument("--out", default="bench/results/pipeline.json")
     args = ap.parse_args()
     shapes = args.shape or ["a", "b", "c"]
+    redis_args = ("--auto-aof-rewrite-min-size", args.aof_min_size) if args.aof_min_size else ()
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
         work = Path(tmp)
@@ -313,12 +318,12 @@ def main() -> int:
                 per_batch = 100
                 n = int(args.rate * args.seconds / per_batch)
                 streams = shape_batches("c", n / 10_000)
-                pipeline = run_pipeline(work, streams, args.rate)
+                pipeline = run_pipeline(work, streams, args.rate, redis_args=redis_args)
             else:
                 streams = shape_batches(shape, args.scale)
-                pipeline = run_pipeline(work, streams, None)
+                pipeline = run_pipeline(work, streams, None, redis_args=redis_args)
             bare = run_bare(streams)
-            xadd = run_xadd(work, streams)
+            xadd = run_xadd(work, streams, redis_args)
             rows[shape] = {"pipeline": pipeline, "bare_pub_sub": bare, "bare_xadd": xadd}
             rate = pipeline["block_events_per_s"]
             print(f"shape {shape}: {pipeline['batches']} batches, {pipeline['block_events']:,} block "
