@@ -8,7 +8,8 @@ must be cut whole: cleared, replaced, or no map). The reducer's changes
 (CacheState.take_changes) are placed on segments as they are taken (:meth:`CutBook.absorb`, in
 steps a caller can yield between), so the export's instant finds them counted. A map is built
 while an export's pieces arrive (each piece carries its hashes); an export that never
-completes drops the maps it touched, and those tiers are cut whole once they change again.
+completes drops the maps its pieces were added to, and those tiers are cut whole once they
+change again (the previous cuts and the changes placed on them stay current).
 """
 
 from __future__ import annotations
@@ -69,10 +70,14 @@ class CutBook:
             pass
 
     def _give_up(self) -> None:
-        """An export begun and never committed: the maps it touched are dropped."""
+        """An export begun and never committed: the maps its pieces were added to (those kept
+        from the previous cut: :meth:`begin`) are dropped. The previous cuts stay current and
+        so do the changes placed on them (``touched``), so the next export plans from them as
+        before; a tier whose map went is cut whole once a change of it comes (:meth:`absorb`)."""
         for tid, _ in self._order:
-            self.maps.pop(tid, None)
-            self.touched[tid] = None
+            building = self._building.get(tid)
+            if building is not None and building is self.maps.get(tid):
+                del self.maps[tid]
         self._order, self._next, self._building = [], {}, {}
 
     def known(self, present: Container[str]) -> dict[bytes, tuple[str, int]]:
@@ -93,7 +98,6 @@ class CutBook:
         self._edits = {p.tier: p.edits for p in parts}
         self._order = [(p.tier, p.length) for p in parts]
         self._at = 0
-        self.touched = {}  # placed on the cut begun now from here on
         for p in parts:
             seg_of = self.maps.get(p.tier)
             if p.whole and self.mapping:
@@ -133,4 +137,5 @@ class CutBook:
         self.check()
         self.cuts = {t: TierCut(self._edits[t], tuple(ps)) for t, ps in self._next.items()}
         self.maps = self._building
+        self.touched = {}  # changes are placed on these cuts from here on
         self._next, self._order, self._building = {}, [], {}

@@ -270,3 +270,27 @@ def test_a_lost_chunk_beside_removals_is_cut_again_alone() -> None:
     got = d.check()
     assert d.cut < 4 * CUTS.max  # that segment, the one with the hole, the tail
     assert first[len(first) // 2].address in {p.address for p in got if p.data is not None}
+
+
+def test_an_export_never_committed_costs_no_whole_cut_until_its_tiers_change_again() -> None:
+    """A failed export drops the maps its pieces may have changed, nothing more: the next
+    export still plans from the previous cut (around the holes already placed, appends as
+    appends), and a tier whose map went is cut whole once it has a removal again."""
+    log = Log()
+    grow(log, "a", 1, 2000)
+    grow(log, "b", 1, 2000)
+    d = Delta(log.state)
+    d.check()
+    log.put("a", BlockRemoved((10, 1500), "GPU"))
+    grow(log, "b", 5000, 20)
+    d.export(stop_after=3)  # Redis went away midway: no commit
+    d.check()
+    assert d.cut <= 20 + 6 * CUTS.max  # not 4,000: a around its holes and end, b its end
+    log.put("a", BlockRemoved((700,), "GPU"))
+    grow(log, "b", 6000, 5)
+    d.check()
+    assert d.cut >= len(log.state.resident("a", "GPU"))  # a's map went with that export
+    assert d.cut <= len(log.state.resident("a", "GPU")) + 5 + 2 * CUTS.max  # b: its end only
+    log.put("a", BlockRemoved((800,), "GPU"))
+    d.check()
+    assert d.cut <= 3 * CUTS.max  # mapped again by that whole cut
