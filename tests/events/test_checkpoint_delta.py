@@ -39,7 +39,7 @@ class Delta:
         parts = self.book.plan(self.state, self.store, cuts=CUTS, limit=limit)
         self.cut = sum(p.todo for p in parts)
         self.book.begin(parts)
-        got = []
+        got: list[Piece] = []
         for piece in cut_tails(parts, CUTS, self.book.known(self.store), self.store):
             if len(got) == stop_after:
                 return got
