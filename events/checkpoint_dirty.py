@@ -13,7 +13,7 @@ cuts agree from there on), or to the tier's end. The previous cut's last segment
 again, with what was appended (as for a tier that only grew).
 
 Which segment a changed hash was in comes from the checkpoint writer's map ``hash -> the
-fingerprint of its segment`` (events.checkpoint_delta.CutBook): per change one look-up, never a
+fingerprint of its segment`` (events.checkpoint_book.CutBook): per change one look-up, never a
 walk of the tier. The keys and values of what is cut again are copied at the export's instant
 with C-speed forward passes over the tier (:class:`_Forward`), skipping what is kept.
 """
