@@ -213,7 +213,7 @@ class Checkpointer:
         sources, fork_s = fences(state), list[float]()
         book.note(state.take_changes())  # what was applied meanwhile
         parts = book.plan(state, present, copy=False, cuts=self.cuts,
-                          limit=_PLAN_BLOCKS if self.fork else None)
+                          limit=_PLAN_BLOCKS if fork else None)
         todo = sum(p.todo for p in parts)
         fork = fork and todo > self.fork_blocks
         book.begin(parts)

@@ -48,7 +48,8 @@ _REF, _DATA, _DONE = 0, 1, 2  # kinds: a chunk Redis holds; one whose bytes foll
 
 
 class ExportFailed(Exception):
-    """The child did not deliver every chunk (it died, or the stream was torn)."""
+    """The child did not deliver every chunk (it died, or the stream was torn), or there was
+    none (``fork`` failed: no memory or processes left)."""
 
 
 async def export_pieces(parts: list[TierTail], cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
@@ -78,7 +79,12 @@ async def export_pieces(parts: list[TierTail], cuts: Cuts, known: Mapping[bytes,
     gc.disable()  # the child starts with the collector off (module docstring)
     started = time.perf_counter()
     try:
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # EAGAIN, ENOMEM: no child, and the pipe is ours to close
+            os.close(r)
+            os.close(w)
+            raise ExportFailed(f"could not fork the export process: {exc}") from exc
         if pid == 0:
             _child(parts, (cuts, known, present), r, w)
     finally:
