@@ -97,8 +97,6 @@ class CheckpointStats:
     num_trimmed: int = 0
 
 
-
-
 __all__ = [
     "CHUNK_EVENTS",
     "KEEP",
