@@ -9,7 +9,8 @@ vLLM's batch shape (DECISIONS 70). Here the batch's bytes are parsed a second ti
 ``block_removed`` are singular: protobuf merges repeated occurrences of a singular message, so
 every repeated field below collects the values of all events in order, in C. Each event's
 hashes and token ids are its packed runs (``bytes``), joined and unpacked once for the batch;
-when there are removals, the first byte of each event says which kind it is, in order.
+each event's bytes (read once more, as a list) must be one stored or removed message that
+spans them, and its first byte says which kind it is, in order.
 
 The columns line up with the events only when every event is one ``BlockStored`` or
 ``BlockRemoved`` that carries each column exactly once (or, for the fields that default, none
@@ -119,21 +120,19 @@ def stored_events(raw: bytes, num_events: int) -> tuple[Event, ...] | None:
     if event.all_blocks_cleared:
         return None
     removed_runs: list[bytes] = event.block_removed.block_hashes[:]
-    each: list[bytes] | None = None  # each event's bytes, read when needed
-    if removed_runs:  # which events are removals: the first byte of each (field 2)
-        each = _Events.FromString(raw).events[:]
-        is_stored = [e[:1] == b"\x0a" for e in each]
-        num_stored = sum(is_stored)
-        stored_each = [e for e, s in zip(each, is_stored, strict=True) if s]
-        if num_stored + len(removed_runs) != num_events or len(each) != num_events:
-            return None
-    else:
-        num_stored, stored_each = num_events, None
-    stored = _stored(raw, event.block_stored, num_stored, stored_each) if num_stored else []
+    each: list[bytes] = _Events.FromString(raw).events[:]
+    if len(each) != num_events or not all(map(_one_field, each)):
+        return None  # an empty event, or one of two (merged here, refused by the decoder)
+    is_stored = [e[0] == 0x0A for e in each]  # else field 2, a removal
+    num_stored = sum(is_stored)
+    if num_stored + len(removed_runs) != num_events:
+        return None
+    stored_each = [e for e, s in zip(each, is_stored, strict=True) if s] if removed_runs else each
+    stored = _stored(event.block_stored, num_stored, stored_each) if num_stored else []
     removed = _removed(event.block_removed, removed_runs) if removed_runs else []
     if stored is None or removed is None:
         return None
-    if each is None:
+    if not removed_runs:
         return tuple(stored)
     next_stored, next_removed = iter(stored), iter(removed)
     return tuple(next(next_stored) if s else next(next_removed) for s in is_stored)
@@ -156,10 +155,9 @@ def _removed(r: Any, runs: list[bytes]) -> list[Event] | None:
     return out
 
 
-def _stored(raw: bytes, s: Any, num_events: int,
-            each: list[bytes] | None) -> list[Event] | None:
+def _stored(s: Any, num_events: int, each: list[bytes]) -> list[Event] | None:
     """The stored blocks' columns as events (None: they do not line up, or one is refused);
-    ``each``: the stored events' bytes when already read."""
+    ``each``: the stored events' bytes."""
     runs: list[bytes] = s.block_hashes[:]
     token_runs: list[bytes] = s.token_ids[:]
     sizes: list[int] = s.block_size[:]
@@ -170,7 +168,7 @@ def _stored(raw: bytes, s: Any, num_events: int,
         return None
     groups = _column(s.group_idx[:], num_events, 0)
     kinds = _column(s.kv_cache_spec_kind[:], num_events, 0)
-    parents = _parents(raw, s.parent_block_hash[:], runs, each)
+    parents = _parents(s.parent_block_hash[:], runs, each)
     if groups is None or kinds is None or parents is None:
         return None
     if 0 in sizes or not _MEDIUM.keys() >= set(media) or not _KIND.keys() >= set(kinds):
@@ -197,6 +195,17 @@ def _stored(raw: bytes, s: Any, num_events: int,
     return out
 
 
+def _one_field(event: bytes) -> bool:
+    """A KvEvent's bytes are one ``block_stored`` (field 1) or ``block_removed`` (field 2)
+    message that spans them: the columns can be read as one event's."""
+    if len(event) < 2 or event[0] not in (0x0A, 0x12):
+        return False
+    if event[1] < 0x80:  # a message under 128 bytes (vLLM's single-block event): one byte
+        return event[1] + 2 == len(event)
+    size, at = _read_varint(event, 1)
+    return at + size == len(event)
+
+
 def _column(values: list[Any], n: int, default: Any) -> list[Any] | None:
     """A field that may be left out: all events have it, or none does (``default``)."""
     if not values:
@@ -204,16 +213,13 @@ def _column(values: list[Any], n: int, default: Any) -> list[Any] | None:
     return values if len(values) == n else None
 
 
-def _parents(raw: bytes, values: list[int], runs: list[bytes],
-             each: list[bytes] | None) -> list[int | None] | None:
+def _parents(values: list[int], runs: list[bytes], each: list[bytes]) -> list[int | None] | None:
     """Each event's parent: all or none have one, or, in the usual field order (the parent
     right after the hashes), those whose hashes are followed by one."""
     n = len(runs)
     if not values or len(values) == n:
         return _column(values, n, None)
     has: list[bool] = []
-    if each is None:
-        each = _Events.FromString(raw).events[:]
     if len(each) != n:
         return None
     for event, run in zip(each, runs, strict=True):

@@ -164,6 +164,25 @@ def test_other_encodings_read_as_the_decoder_reads_them(layout: str) -> None:
     assert batch is not None and len(batch.events) == BULK_MIN_EVENTS + 2
 
 
+@pytest.mark.parametrize("pair", ["a store and a removal", "two stores"])
+def test_two_messages_in_one_event_beside_an_empty_one_read_as_the_decoder_reads_them(pair: str) -> None:
+    """Protobuf merges an event's two messages into one (a oneof keeps the last) and leaves the
+    empty event empty, which the decoder refuses; the columns would line up with two events."""
+    stored = [_len(1, struct.pack("<Q", 5)), _len(3, _varint(1) + _varint(2)),
+              _field(4, 0, _varint(2)), _field(5, 0, _varint(events_pb2.MEDIUM_GPU))]
+    plain = [_event([_len(1, struct.pack("<Q", i + 10)), _len(3, _varint(i) + _varint(i + 1)),
+                     _field(4, 0, _varint(2)), _field(5, 0, _varint(events_pb2.MEDIUM_GPU))])
+             for i in range(BULK_MIN_EVENTS)]
+    second = (_len(2, _len(1, struct.pack("<Q", 6)) + _field(2, 0, _varint(events_pb2.MEDIUM_GPU)))
+              if pair == "a store and a removal" else _len(1, b"".join(stored)))
+    crafted = _len(5, _len(1, b"".join(stored)) + second)
+    raw = b"".join([_len(1, b"e"), *plain, crafted, _len(5, b"")])
+    msg = events_pb2.EventBatch.FromString(raw)
+    assert len(msg.events) == BULK_MIN_EVENTS + 2
+    assert stored_events(raw, len(msg.events)) is None
+    assert _same(raw, msg) is None  # refused, with the decoder's message
+
+
 def test_small_batches_are_read_one_by_one() -> None:
     raw, msg = _wire(tuple(_plain(BULK_MIN_EVENTS - 1)))
     assert _same(raw, msg) == batch_from_proto(msg)
