@@ -68,12 +68,14 @@ class EpochWatch:
     def is_due(self) -> bool:
         return time.monotonic() - self._last_check >= self._check_s
 
-    def check(self, position: int, moved_back: bool) -> str | None:
+    def check(self, position: int, moved_back: bool, read: tuple[str | None] | None = None
+              ) -> str | None:
         """None while the log is still the one published (or gone, see ``is_gone``); else the
         new epoch, which the caller opens (:meth:`opened`). ``moved_back``: also compare the
-        head with ``position`` (a log without epochs that restarted at 1)."""
+        head with ``position`` (a log without epochs that restarted at 1). ``read``: the epoch
+        as the caller just read it (bridge.tip), instead of reading it here."""
         self._last_check = time.monotonic()
-        current = self._read_epoch()
+        current = self._read_epoch() if read is None else read[0]
         if current == self.epoch and not (moved_back and self._head() < position):
             return None
         if current is None and self.epoch is not None:

@@ -96,6 +96,11 @@ class PositionStore:
             return None  # unreadable: behave as a fresh bridge rather than guess
         return SavedPosition(offset, seqs, fields.get("epoch", ""), bases)
 
+    @property
+    def epoch_key(self) -> str:
+        """``LogKeys.epoch`` ("" when this store reads no epoch)."""
+        return self._epoch_key
+
     def log_epoch(self) -> str | None:
         """The log's current epoch (``LogKeys.epoch``); None when there is none."""
         if not self._epoch_key:

@@ -86,7 +86,7 @@ class Bridge:
         self._streams = Streams(config)
         self._position = 0  # last log offset published (its apply may still be pending)
         self._tip: bytes | None = None  # the record at _position as read (None: not known)
-        self._tail = TipReader(reader, config.read_chunk)
+        self._tail = TipReader(reader, config.read_chunk, positions.epoch_key)
         self._held_at = 0  # a foreign log entry the bridge waits before (0: none)
         self._events_in_chunk = 0
         self._saved_position = -1
@@ -201,7 +201,9 @@ class Bridge:
             return
         records = read.entries
         # Read after the records: if the epoch is still ours now, they were ours.
-        if (records or epochs.is_due()) and not self._check_epoch(moved_back=not records):
+        # (read with them when bridge.tip could: one round trip less per read)
+        known = (read.epoch,) if records and read.epoch_read else None
+        if (records or epochs.is_due()) and not self._check_epoch(moved_back=not records, read=known):
             return
         self.health.set(redis_ok=True, detail=epochs.detail or f"publishing after offset {self._position}")
         self.metrics.redis_up.set(1)
@@ -227,6 +229,11 @@ class Bridge:
                 self._held_at = 0
                 self.health.set(redis_ok=True, detail=f"publishing after offset {self._position}",
                                 ready=True)
+            if len(records) < self.config.read_chunk:
+                # Caught up with the log (a short chunk): the state's slice now rather than
+                # after a peek for records that are most likely not there (DECISIONS 72).
+                with self._lock:
+                    self._state.catch_up(budget_s=CATCH_UP_SLICE_S)
         elif self._state.pending:
             with self._lock:
                 # Short slices: a record that arrives meanwhile waits at most about one.
@@ -246,9 +253,10 @@ class Bridge:
                         detail=f"held before foreign log entry {offset}: run kvctl repair --drop-foreign")
         time.sleep(self.config.poll_block_ms / 1000)
 
-    def _check_epoch(self, moved_back: bool) -> bool:
-        """True when the log is still the one being published; a new one is opened."""
-        new = self._epochs.check(self._position, moved_back)
+    def _check_epoch(self, moved_back: bool, read: tuple[str | None] | None = None) -> bool:
+        """True when the log is still the one being published; a new one is opened. ``read``:
+        the epoch as read after the records (EpochWatch.check)."""
+        new = self._epochs.check(self._position, moved_back, read)
         if new is not None:
             self._open_epoch(new, None)
         return new is None and not self._epochs.is_gone

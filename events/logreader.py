@@ -39,6 +39,8 @@ class StreamClient(Protocol):
 
     def ping(self) -> Any: ...
 
+    def pipeline(self, transaction: bool = True) -> Any: ...
+
 
 class LogReader:
     """Range reads and blocking follow over one namespace's log."""
@@ -87,6 +89,17 @@ class LogReader:
         high = "+" if end_offset is None else entry_id(end_offset)
         entries = self._call(self._client.xrange, self._keys.log, entry_id(start_offset), high, count)
         return [_raw(entry_id_value, fields) for entry_id_value, fields in entries]
+
+    def read_range_raw_and_get(
+        self, start_offset: int, count: int, key: str
+    ) -> tuple[list[RawEntry], bytes | None]:
+        """Up to ``count`` entries from ``start_offset`` on, and the value of ``key`` read after
+        them (one round trip: a pipeline, which the server runs in order)."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.xrange(self._keys.log, entry_id(max(1, start_offset)), "+", count)
+        pipe.get(key)
+        entries, value = self._call(pipe.execute)
+        return [_raw(entry_id_value, fields) for entry_id_value, fields in entries], value
 
     def read_range(
         self, start_offset: int, end_offset: int | None = None, count: int = DEFAULT_CHUNK
@@ -183,13 +196,14 @@ def decode_stored(entry_id_value: bytes, fields: dict[Any, Any]) -> LogRecord:
     return decode_entry((int(offset), fields[RECORD_FIELD]))
 
 
-def decode_entry(entry: RawEntry) -> LogRecord:
-    """Decode and validate one stored entry; SchemaError names the offset and the problem."""
+def decode_entry(entry: RawEntry, *, validate: bool = True) -> LogRecord:
+    """Decode and validate one stored entry; SchemaError names the offset and the problem.
+    ``validate=False``: types only (events.records.decode_record)."""
     offset, data = entry
     if not data:
         raise SchemaError(f"log entry {offset}: no field {RECORD_FIELD!r}")
     try:
-        record = decode_record(data)
+        record = decode_record(data, validate=validate)
     except SchemaError as exc:
         raise SchemaError(f"log entry {offset}: {exc}") from exc
     if record.offset != offset:

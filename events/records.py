@@ -44,14 +44,20 @@ def encode_record(record: LogRecord) -> bytes:
     return _encoder.encode(record)
 
 
-def decode_record(data: bytes) -> LogRecord:
-    """Decode and validate one stored record; raise SchemaError naming what is wrong."""
+def decode_record(data: bytes, *, validate: bool = True) -> LogRecord:
+    """Decode and validate one stored record; raise SchemaError naming what is wrong.
+
+    ``validate=False`` checks the types only: for a reader that applies the record to a
+    ``CacheState``, which checks every event itself and records (rather than raises) what is
+    wrong, as the daemon's recovery does (offloadd.log.log_reads).
+    """
     try:
         record = _decoder.decode(data)
     except msgspec.DecodeError as exc:  # ValidationError is a subclass
         raise SchemaError(f"log record: {exc}") from exc
-    for event in record.events:
-        validate_event(event)
+    if validate:
+        for event in record.events:
+            validate_event(event)
     return record
 
 

@@ -89,3 +89,18 @@ def test_a_time_budget_ends_a_slice_after_at_least_one_record_in_order() -> None
     for r in records:
         want.apply(r)
     assert lazy.export() == want.export()
+
+
+def test_an_invalid_event_is_a_violation_and_the_rest_of_its_record_applies() -> None:
+    """As in the daemon's recovery (the reducer checks each event): the bridge's state answers
+    what the daemon's does for a record holding one invalid event."""
+    metrics = BridgeMetrics()
+    lazy = LazyState(metrics, max_pending=0)
+    bad = BlockStored((2,), None, (2, 2), 1, "GPU")  # two token ids for one block of size 1
+    record = LogRecord(1, "e1", 1, 1, 0.0, (BlockStored((1,), None, (1,), 1, "GPU"), bad))
+    lazy.add((1, encode_record(record)))
+    assert metrics.registry.get_sample_value("kvbridge_state_violations_total") == 1
+    want = CacheState()
+    want.apply(record)
+    assert lazy.export() == want.export()
+    assert [e.block_hashes for e in lazy.export().sources[0].events] == [(1,)]

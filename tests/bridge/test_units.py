@@ -209,3 +209,28 @@ def test_unreadable_records_take_no_seq() -> None:
     assert empty is not None and not takes_seq(empty, None)
     full = batch_for(encode_record(_special_records()[2]), "map")
     assert takes_seq(full, None) and takes_seq(full, "z") and not takes_seq(full, "x")
+
+
+def test_tip_reader_reads_the_epoch_after_the_records_and_waits_before_checking(
+    client: redis.Redis,
+) -> None:
+    """One round trip reads the records after the published one and then the epoch; a blocking
+    read waits first and checks after, so a log that went back shows once the wait is over."""
+    from bridge.tip import TipReader
+
+    keys = LogKeys()
+    writer = LogWriter(client)
+    ev = [BlockStored((1,), None, (1,), 1, "GPU")]
+    first = writer.append("e1", ev, source_seq=1)
+    second = writer.append("e1", ev, source_seq=2)
+    client.set(keys.epoch, "ep-1")
+    tip = TipReader(LogReader(client, keys), 10, keys.epoch)
+    read = tip.read(1, encode_record(first), block_ms=50)
+    assert [o for o, _ in read.entries] == [2] and read.epoch_read and read.epoch == "ep-1"
+    assert not read.rewound
+    client.delete(keys.epoch)
+    read = tip.read(2, encode_record(second), block_ms=20)
+    assert read.entries == [] and read.epoch_read and read.epoch is None  # waited, then checked
+    # The record published at 1 is not the log's any more (same epoch): rewound, after the wait.
+    assert tip.read(1, b"other bytes", block_ms=20).rewound
+    assert not TipReader(LogReader(client, keys), 10).read(1, encode_record(first), 0).epoch_read
