@@ -53,7 +53,7 @@ from bridge.replay_server import ReplayPlan, SnapshotPlan
 from bridge.state import LazyState
 from bridge.streams import Streams
 from bridge.tip import TipReader
-from bridge.transcode import batch_for, is_foreign
+from bridge.transcode import batch_for, is_foreign, publish_decoded
 from events.logreader import LogReader, LogUnavailable, RawEntry
 from events.state_gc import GcPolicy
 
@@ -308,12 +308,14 @@ class Bridge:
         """Publish one record on its stream (1 when published); its apply is queued.
         ForeignEntry, and nothing changed, for an entry the daemon did not write."""
         offset, data = entry
-        batch = batch_for(data, self.config.layout)
+        batch, record = publish_decoded(data, self.config.layout)
         if batch is None and is_foreign(offset, data):
             raise ForeignEntry(offset)
         if offset != self._position + 1:
             self._skip(offset)
-        self._state.add(entry)
+        # Decoded once: the state takes the record (its stored bytes when not decoded here,
+        # or when it names another offset, which the state's decode reports).
+        self._state.add(record if record is not None and record.offset == offset else entry)
         stream = self._streams.index(offset, batch)
         self._position, self._tip = entry
         if stream is None or batch is None:

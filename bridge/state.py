@@ -32,7 +32,7 @@ class LazyState:
         self._metrics = metrics
         self._max_pending = max_pending
         self._state = CacheState()
-        self._pending: deque[RawEntry] = deque()
+        self._pending: deque[RawEntry | LogRecord] = deque()  # stored, or decoded (publisher)
         self._base: CacheState | None = None  # a checkpoint's state, taken at its offset
 
     @property
@@ -64,11 +64,13 @@ class LazyState:
         self.reset()
         self._base = base
 
-    def add(self, entry: RawEntry) -> None:
+    def add(self, entry: RawEntry | LogRecord) -> None:
+        """Queue one record: its stored entry, or the record decoded (types only, as
+        :meth:`apply_entry` decodes it) by a caller that decoded it anyway."""
         pending = self._pending
         pending.append(entry)
         if len(pending) > self._max_pending:  # the pending gauge is set once per chunk
-            self.apply_entry(pending.popleft())
+            self._apply_one(pending.popleft())
 
     def catch_up(self, limit: int | None = None, budget_s: float | None = None) -> int:
         """Apply up to ``limit`` queued records (all when None), stopping once ``budget_s``
@@ -78,30 +80,43 @@ class LazyState:
         done = 0
         if budget_s is None:
             for _ in range(n):
-                self.apply_entry(pending.popleft())
+                self._apply_one(pending.popleft())
             done = n
         else:
             deadline = time.perf_counter() + budget_s
             while done < n:
-                self.apply_entry(pending.popleft())
+                self._apply_one(pending.popleft())
                 done += 1
                 if time.perf_counter() >= deadline:
                     break
         self._metrics.pending.set(len(pending))
         return done
 
+    def _apply_one(self, item: RawEntry | LogRecord) -> None:
+        if not isinstance(item, LogRecord):
+            self.apply_entry(item)
+        elif self._reached(item.offset):
+            self.apply(item)
+
+    def _reached(self, offset: int) -> bool:
+        """Whether the record at ``offset`` is applied: not while a deferred checkpoint holds
+        it (its state is taken at its offset, bridge.bootstrap)."""
+        base = self._base
+        if base is not None:
+            if offset < base.offset:
+                return False  # the checkpoint holds it
+            self._state, self._base = base, None
+            if offset == base.offset:
+                return False
+        return True
+
     def apply_entry(self, entry: RawEntry) -> None:
         """Decode and apply one stored record; one that cannot be decoded is counted and
         skipped. Its events are checked by the state as it applies them (events.state_apply:
         an invalid one is a violation, the others apply), as in the daemon's recovery; a
         separate validation pass would double the work (DECISIONS 72)."""
-        base = self._base
-        if base is not None:
-            if entry[0] < base.offset:
-                return  # the checkpoint holds it
-            self._state, self._base = base, None
-            if entry[0] == base.offset:
-                return
+        if not self._reached(entry[0]):
+            return
         try:
             record = decode_entry(entry, validate=False)
         except SchemaError as exc:

@@ -53,6 +53,26 @@ def batch_for(data: bytes, layout: Literal["map", "legacy"]) -> Transcoded | Non
     return Transcoded(record.offset, record.source, len(record.events), payload)
 
 
+def publish_decoded(data: bytes, layout: Literal["map", "legacy"]
+                    ) -> tuple[Transcoded | None, LogRecord | None]:
+    """:func:`batch_for`, and the record decoded (types only) when that is how it was read.
+
+    The publisher's path: the record is decoded once, for the batch and for the state (which
+    checks each event as it applies it), rather than as a view here and again there. A record
+    with values outside the schema's literals is published from its view as :func:`batch_for`
+    does (and the state decodes it again, to count it); the legacy layout is rare: its batch
+    alone.
+    """
+    if layout != "map":
+        return batch_for(data, layout), None
+    try:
+        record = decode_record(data, validate=False)
+    except SchemaError:
+        return batch_for(data, layout), None
+    payload = encode_batch(record.events, record.ts, source=record.source)
+    return Transcoded(record.offset, record.source, len(record.events), payload), record
+
+
 def relayout(payload: bytes, layout: Literal["map", "legacy"]) -> bytes:
     """A batch we encoded, in ``layout`` (the legacy layout carries no source)."""
     batch = decode_batch(payload)

@@ -104,3 +104,18 @@ def test_an_invalid_event_is_a_violation_and_the_rest_of_its_record_applies() ->
     want.apply(record)
     assert lazy.export() == want.export()
     assert [e.block_hashes for e in lazy.export().sources[0].events] == [(1,)]
+
+
+def test_decoded_records_and_stored_entries_apply_alike() -> None:
+    """The publisher queues records it decoded; the state is the one of their stored bytes."""
+    records = _records(8)
+    mixed, stored = LazyState(BridgeMetrics()), LazyState(BridgeMetrics())
+    for r in records:
+        mixed.add(r if r.offset % 2 else (r.offset, encode_record(r)))
+        stored.add((r.offset, encode_record(r)))
+    assert mixed.pending == 8 and mixed.export() == stored.export() == _state(records).export()
+    deferred = LazyState(BridgeMetrics())
+    deferred.defer_to(_state(records[:4]).export())
+    for r in records[2:]:
+        deferred.add(r)  # decoded records before the checkpoint's offset are skipped too
+    assert deferred.export() == _state(records).export()

@@ -234,3 +234,25 @@ def test_tip_reader_reads_the_epoch_after_the_records_and_waits_before_checking(
     # The record published at 1 is not the log's any more (same epoch): rewound, after the wait.
     assert tip.read(1, b"other bytes", block_ms=20).rewound
     assert not TipReader(LogReader(client, keys), 10).read(1, encode_record(first), 0).epoch_read
+
+
+def test_publish_decoded_is_batch_for_and_the_record_once() -> None:
+    """The publisher decodes a record once for the batch and the state: the same batch, byte
+    for byte, as batch_for; a record outside the schema's literals comes from its view."""
+    from bridge.transcode import publish_decoded
+    from events.records import decode_record
+
+    sim = FleetSimulator(["a", "b"], seed=11)
+    records = [
+        LogRecord(i + 1, src, 1, seq, 1000.0 + i, tuple(ev))
+        for i, (src, ev, seq) in enumerate(sim.records(100))
+    ] + _special_records()
+    for r in records:
+        batch, record = publish_decoded(encode_record(r), "map")
+        assert batch == batch_for(encode_record(r), "map"), r
+        assert record == decode_record(encode_record(r)), r  # as stored (inner arrays: lists)
+        assert publish_decoded(encode_record(r), "legacy") == (batch_for(encode_record(r), "legacy"), None)
+    odd = LogRecord(1, "e", 1, 1, 1.0, (BlockRemoved((1,), "DISK", 0),))  # type: ignore[arg-type]
+    batch, record = publish_decoded(encode_record(odd), "map")
+    assert record is None and batch == batch_for(encode_record(odd), "map") and batch is not None
+    assert publish_decoded(b"\x01garbage", "map") == (None, None)
