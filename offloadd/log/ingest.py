@@ -256,14 +256,16 @@ class Ingest:
         chain.num_pending += 1
         chain.last_seq = batch.seq
         acked: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
-        task = asyncio.ensure_future(self._append(batch, events, chain))
-        task.add_done_callback(lambda t: self._appended(t, acked, batch, chain))
+        # The log's own future, answered by its writer: no task per batch (each one a few loop
+        # turns on the path of every paced batch, DECISIONS 72).
+        written = self._append(batch, events, chain)
+        written.add_done_callback(lambda w: self._appended(w, acked, batch, chain))
         return acked
 
-    def _appended(self, task: asyncio.Task[LogRecord], acked: asyncio.Future[Ack],
+    def _appended(self, written: asyncio.Future[LogRecord], acked: asyncio.Future[Ack],
                   batch: EventBatch, chain: _Chain) -> None:
         chain.num_pending -= 1
-        exc = asyncio.CancelledError() if task.cancelled() else task.exception()
+        exc = asyncio.CancelledError() if written.cancelled() else written.exception()
         if exc is not None and not isinstance(exc, WriteInDoubt):
             chain.is_broken = True  # in doubt: broken by its revert if it did not land
         else:
@@ -282,7 +284,7 @@ class Ingest:
             acked.set_exception(exc)
         else:
             acked.set_result(Ack(AckStatus.APPLIED, acked_seq=batch.seq,
-                                 log_offset=task.result().offset, log_epoch=self.log_epoch))
+                                 log_offset=written.result().offset, log_epoch=self.log_epoch))
 
     def _problem(self, batch: EventBatch) -> str:
         if not batch.events:
@@ -301,7 +303,8 @@ class Ingest:
         own_cpu = any(s == engine_id and m != "GPU" for s, m, _ in self.state.counts())
         return AllBlocksCleared(None if own_cpu else "GPU")
 
-    async def _append(self, batch: EventBatch, events: tuple[Event, ...], chain: _Chain) -> LogRecord:
+    def _append(self, batch: EventBatch, events: tuple[Event, ...],
+                chain: _Chain) -> asyncio.Future[LogRecord]:
         engine_id = batch.engine_id
 
         def project(pipe: Pipe) -> None:  # the record is all: no per-block projection (DECISIONS 33)
@@ -311,7 +314,7 @@ class Ingest:
         def revert() -> None:  # not written: neither may any later batch of the chain be
             chain.is_broken = True
 
-        return await self.metadata.append(Append(
+        return self.metadata.submit(Append(
             engine_id, batch.incarnation, batch.seq, events, project, _no_apply, revert,
             ts=batch.ts,
         ))

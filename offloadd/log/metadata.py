@@ -99,12 +99,18 @@ class MetadataStore(LogReads):
         (each still its own record and offset, applied in order), so concurrent engines and
         commits share Redis round trips instead of queueing for one each.
         """
+        return await asyncio.shield(self.submit(item))  # a cancelled caller must not cancel the write
+
+    def submit(self, item: Append) -> asyncio.Future[LogRecord]:
+        """Queue ``item`` for the next write without a task of the caller's own (what ``append``
+        awaits): the future is the record once durable and applied, or what ``append`` raises.
+        Nothing cancels it but its holder, who must not (the write goes on regardless)."""
         assert item.events, "never append an empty record"
         future: asyncio.Future[LogRecord] = asyncio.get_running_loop().create_future()
         self._queue.append((item, future))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._drain())
-        return await asyncio.shield(future)  # a cancelled caller must not cancel the write
+        return future
 
     async def _drain(self) -> None:
         while self._queue:
