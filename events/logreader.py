@@ -91,14 +91,18 @@ class LogReader:
         return [_raw(entry_id_value, fields) for entry_id_value, fields in entries]
 
     def read_range_raw_and_get(
-        self, start_offset: int, count: int, key: str
+        self, start_offset: int, count: int, key: str, *, wait_after: int = 0, block_ms: int = 0
     ) -> tuple[list[RawEntry], bytes | None]:
         """Up to ``count`` entries from ``start_offset`` on, and the value of ``key`` read after
-        them (one round trip: a pipeline, which the server runs in order)."""
+        them, in one round trip (a pipeline, which the server runs in order). ``block_ms`` > 0:
+        first wait up to that long for an entry after offset ``wait_after`` (a blocking XREAD
+        whose answer is dropped: the server runs the reads once it is over)."""
         pipe = self._client.pipeline(transaction=False)
+        if block_ms > 0:
+            pipe.xread({self._keys.log: f"{wait_after}-0"}, 1, block_ms)
         pipe.xrange(self._keys.log, entry_id(max(1, start_offset)), "+", count)
         pipe.get(key)
-        entries, value = self._call(pipe.execute)
+        *_, entries, value = self._call(pipe.execute)
         return [_raw(entry_id_value, fields) for entry_id_value, fields in entries], value
 
     def read_range(

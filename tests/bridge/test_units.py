@@ -256,3 +256,25 @@ def test_publish_decoded_is_batch_for_and_the_record_once() -> None:
     batch, record = publish_decoded(encode_record(odd), "map")
     assert record is None and batch == batch_for(encode_record(odd), "map") and batch is not None
     assert publish_decoded(b"\x01garbage", "map") == (None, None)
+
+
+def test_tip_reader_wakes_for_a_record_written_during_its_wait(client: redis.Redis) -> None:
+    """The wait, the check and the epoch go as one pipeline: a record written while it waits
+    ends the wait and comes back checked, long before the wait's limit."""
+    import threading
+    import time
+
+    from bridge.tip import TipReader
+
+    keys = LogKeys()
+    writer = LogWriter(client)
+    ev = [BlockStored((1,), None, (1,), 1, "GPU")]
+    first = writer.append("e1", ev, source_seq=1)
+    client.set(keys.epoch, "ep-1")
+    later = threading.Timer(0.1, lambda: writer.append("e1", ev, source_seq=2))
+    later.start()
+    started = time.monotonic()
+    read = TipReader(LogReader(client, keys), 10, keys.epoch).read(1, encode_record(first), 3000)
+    later.join()
+    assert [o for o, _ in read.entries] == [2] and read.epoch == "ep-1" and not read.rewound
+    assert time.monotonic() - started < 2.0
