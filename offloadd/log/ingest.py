@@ -257,7 +257,7 @@ class Ingest:
         chain.last_seq = batch.seq
         acked: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
         # The log's own future, answered by its writer: no task per batch (each one a few loop
-        # turns on the path of every paced batch, DECISIONS 72).
+        # turns on the path of every paced batch, DECISIONS 73).
         written = self._append(batch, events, chain)
         written.add_done_callback(lambda w: self._appended(w, acked, batch, chain))
         return acked
