@@ -166,6 +166,39 @@ def test_concurrent_appends_share_a_transaction(redis_url: str) -> None:
     assert [r.offset for r in stored] == list(range(1, 21))
 
 
+def test_submitted_appends_land_in_order_whoever_waits(redis_url: str) -> None:
+    """``submit`` queues without a task of the caller's: the futures answer in submission order;
+    one nobody awaits still lands, and a caller of ``append`` cancelled at once does not cancel
+    its write (the shield)."""
+    keys = LogKeys("submit")
+
+    async def scenario() -> tuple[list[int], list[int], list[int], CacheState]:
+        client = aioredis.Redis.from_url(redis_url)
+        md = MetadataStore(client, keys, CacheState())
+        applied: list[int] = []
+        reverted: list[int] = []
+        futures = [md.submit(_append(md, seq, applied, reverted)) for seq in (1, 2)]
+        unawaited = md.submit(_append(md, 3, applied, reverted))
+        cancelled = asyncio.ensure_future(md.append(_append(md, 4, applied, reverted)))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        records = await asyncio.gather(*futures)
+        while len(applied) < 4:
+            await md.next_append().wait()
+        assert unawaited.done() and unawaited.result().source_seq == 3
+        await client.aclose()
+        return [r.offset for r in records], applied, reverted, md.state
+
+    offsets, applied, reverted, state = asyncio.run(scenario())
+    assert offsets == [1, 2]
+    assert applied == [1, 2, 3, 4] and reverted == []
+    assert state.fence("e") == (1, 4)
+    admin = redis.Redis.from_url(redis_url)
+    stored = [decode_record(f[RECORD_FIELD]) for _, f in admin.xrange(keys.log)]
+    admin.close()
+    assert [(r.offset, r.source_seq) for r in stored] == [(1, 1), (2, 2), (3, 3), (4, 4)]
+
+
 def test_an_unwritable_record_fails_alone_and_is_reverted(redis_url: str) -> None:
     """One group, five appends: one record msgpack cannot hold (a CBOR tag in extra_keys), one
     whose projection raises. Those two fail and are reverted; the other three are written with
