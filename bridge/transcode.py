@@ -4,9 +4,10 @@ The bridge's publish path: most of a record is its ``token_ids`` and ``block_has
 which a full decode turns into Python ints only for the encoder to turn them back into the same
 msgpack bytes. So the record is read as an ``events.records.RecordView`` (those arrays stay
 the stored msgpack bytes) and encoded by ``events.codec_vllm.encode_batch``, which copies them
-through: byte for byte the batch of the record's domain events (tests check this). The full
-decode and schema validation of the record happen when the bridge applies it to its state
-(bridge.state), which counts any problem as a violation.
+through: byte for byte the batch of the record's domain events (tests check this); the replay
+server and the start-up scan read records this way. The publisher, which applies every record
+to its state too, decodes each record once instead (:func:`publish_decoded`, DECISIONS 72), and
+the state checks each event as it applies it, counting any problem as a violation.
 """
 
 from __future__ import annotations

@@ -146,9 +146,7 @@ class CacheState:
         """The tiers ``keys`` of ``source`` are replaced or cleared."""
         edits = self._edit_book.of(source)
         for key in keys:
-            journal = edits.bump(key)
-            if journal is not None:
-                journal.mark_reset()
+            edits.reset(key)
 
     def track_changes(self) -> None:
         """Record, from now on, what each change other than an append was (the hashes

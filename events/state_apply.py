@@ -72,18 +72,14 @@ def apply_events(
                 if n == 1:  # vLLM's common event: one check, no loop
                     h = hashes[0]
                     if h in tier:  # stored again: changed in place
-                        journal = edits.bump(key)
-                        if journal is not None:
-                            journal.rewritten.append(h)
+                        edits.rewrote(key, hashes)
                     tier[h] = event
                     continue
                 before = len(tier)
                 for h in hashes:
                     tier[h] = event
                 if len(tier) - before != n:  # a hash stored again: changed in place
-                    journal = edits.bump(key)
-                    if journal is not None:
-                        journal.rewritten.extend(hashes)
+                    edits.rewrote(key, hashes)
                 continue
         elif type(event) is BlockRemoved:
             hashes = event.block_hashes
@@ -127,17 +123,13 @@ def _apply_checked(
         for h in event.block_hashes:
             tier[h] = event
         if len(tier) - before != len(event.block_hashes):
-            journal = edits.bump(key)
-            if journal is not None:
-                journal.rewritten.extend(event.block_hashes)
+            edits.rewrote(key, event.block_hashes)
     elif isinstance(event, BlockRemoved):
         _remove(tiers, event, offset, source, violate, edits)
     else:
         for key in [k for k in tiers if event.medium is None or k[0] == event.medium]:
             del tiers[key]
-            journal = edits.bump(key)
-            if journal is not None:
-                journal.mark_reset()
+            edits.reset(key)
 
 
 def _orphan(violate: Violate, offset: int, source: str, event: BlockStored) -> None:

@@ -40,10 +40,22 @@ class TierEdits(dict[TierKey, int]):
         super().__init__()
         self.changes = changes
 
-    def bump(self, key: TierKey) -> TierChanges | None:
+    def _bump(self, key: TierKey) -> TierChanges | None:
         """Count a change of the tier; its journal when changes are tracked."""
         self[key] = self.get(key, 0) + 1
         return None if self.changes is None else self.journal(key)
+
+    def rewrote(self, key: TierKey, hashes: tuple[int, ...]) -> None:
+        """``hashes`` (some of them already resident) were stored again in the tier."""
+        journal = self._bump(key)
+        if journal is not None:
+            journal.rewritten.extend(hashes)
+
+    def reset(self, key: TierKey) -> None:
+        """The tier was cleared or replaced."""
+        journal = self._bump(key)
+        if journal is not None:
+            journal.mark_reset()
 
     def journal(self, key: TierKey) -> TierChanges:
         """The tier's TierChanges (changes tracked only)."""

@@ -161,12 +161,17 @@ def _special_records() -> list[LogRecord]:
     ]
 
 
-def test_transcoder_matches_the_codec_byte_for_byte() -> None:
-    sim = FleetSimulator(["a", "b"], seed=10)
-    records = [
+
+def _sample_records(seed: int, n: int) -> list[LogRecord]:
+    """``n`` records of a simulated two-engine fleet, then the special ones."""
+    sim = FleetSimulator(["a", "b"], seed=seed)
+    return [
         LogRecord(i + 1, src, 1, seq, 1000.0 + i, tuple(ev))
-        for i, (src, ev, seq) in enumerate(sim.records(300))
+        for i, (src, ev, seq) in enumerate(sim.records(n))
     ] + _special_records()
+
+def test_transcoder_matches_the_codec_byte_for_byte() -> None:
+    records = _sample_records(seed=10, n=300)
     for r in records:
         got = transcode_record(encode_record(r))
         assert got.payload == encode_batch(r.events, r.ts, source=r.source), r
@@ -242,11 +247,7 @@ def test_publish_decoded_is_batch_for_and_the_record_once() -> None:
     from bridge.transcode import publish_decoded
     from events.records import decode_record
 
-    sim = FleetSimulator(["a", "b"], seed=11)
-    records = [
-        LogRecord(i + 1, src, 1, seq, 1000.0 + i, tuple(ev))
-        for i, (src, ev, seq) in enumerate(sim.records(100))
-    ] + _special_records()
+    records = _sample_records(seed=11, n=100)
     for r in records:
         batch, record = publish_decoded(encode_record(r), "map")
         assert batch == batch_for(encode_record(r), "map"), r
