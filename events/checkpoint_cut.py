@@ -29,9 +29,11 @@ from __future__ import annotations
 import os
 import zlib
 from array import array
+from bisect import bisect_left
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import count
+from itertools import count, islice
+from operator import attrgetter, eq
 
 import msgspec
 import xxhash
@@ -82,10 +84,37 @@ class Piece:
     keys: Sequence[int] | None = None
 
 
-def segments(keys: list[int], cuts: Cuts) -> Iterator[tuple[int, int]]:
-    """``[start, end)`` of each segment of a tier whose hashes are ``keys`` (module docstring)."""
+def segments(keys: Sequence[int], cuts: Cuts) -> Iterator[tuple[int, int]]:
+    """``[start, end)`` of each segment of a tier whose hashes are ``keys`` (module docstring).
+    The boundary test runs over all the hashes at once in numpy (~10 ns a block instead of a
+    Python step each); a hash outside 0..2**64-1 takes the per-block loop, same rule. numpy is
+    imported at the first call, not with the module: the daemon imports this module before it
+    serves, and its first checkpoint comes after (~70 ms less to SERVING)."""
     n = len(keys)
     shift = 64 - (cuts.avg.bit_length() - 1)  # a boundary: the mixed hash's top bits all 0
+    try:
+        packed = keys if isinstance(keys, array) else array("Q", keys)
+    except OverflowError:
+        packed = None
+    if packed is None or shift >= 64:  # avg 1: every segment is ``min`` long
+        yield from _segments_slow(keys, cuts, shift)
+        return
+    import numpy as np  # here, not at the top (docstring: off the daemon's start)
+
+    mixed = np.frombuffer(packed, dtype=np.uint64) * np.uint64(_MIX)  # wraps: mod 2**64
+    marks = np.flatnonzero((mixed >> np.uint64(shift)) == 0).tolist()
+    start = 0
+    while start < n:
+        last = min(start + cuts.max, n) - 1
+        i = min(start + cuts.min - 1, last)
+        at = bisect_left(marks, i)
+        i = marks[at] if at < len(marks) and marks[at] < last else last
+        yield start, i + 1
+        start = i + 1
+
+
+def _segments_slow(keys: Sequence[int], cuts: Cuts, shift: int) -> Iterator[tuple[int, int]]:
+    n = len(keys)
     start = 0
     while start < n:
         last = min(start + cuts.max, n) - 1
@@ -101,12 +130,41 @@ def fingerprint(source: str, medium: Medium, group: int, keys: list[int], events
     """What a segment's chunk is made of (module docstring), in C: the hashes; per block a
     number shared by the blocks of one stored event (the first one's position, from ``count``),
     and the distinct events' msgpack in order of first appearance."""
-    h = xxhash.xxh3_128(f"{source}\0{medium}\0{group}\0".encode(), seed=_SEED)
-    h.update(array("Q", keys))
     first: dict[int, int] = {}
-    h.update(array("Q", map(first.setdefault, map(id, events), count())))
-    h.update(_encoder.encode(list(dict(zip(map(id, events), events, strict=True)).values())))
+    ids = array("Q", map(first.setdefault, map(id, events), count()))
+    body = _encoder.encode(list(dict(zip(map(id, events), events, strict=True)).values()))
+    return _digest(source, medium, group, array("Q", keys), ids, body)
+
+
+def _digest(source: str, medium: Medium, group: int, keys: array[int] | memoryview, ids: array[int],
+            body: bytes) -> bytes:
+    h = xxhash.xxh3_128(f"{source}\0{medium}\0{group}\0".encode(), seed=_SEED)
+    h.update(keys)
+    h.update(ids)
+    h.update(body)
     return h.digest()
+
+
+_hashes, _parent, _provenance = (attrgetter(f) for f in ("block_hashes", "parent_block_hash", "provenance"))
+
+
+def _plain_body(keys: list[int], events: list[BlockStored]) -> bytes | None:
+    """The msgpack of ``events`` when each block of the segment is a single-block event of its
+    own that no chain merges and the chunk holds as it is (no provenance, no block whose parent
+    is the block before it: what encode_segment would write is exactly ``events``); else None.
+    Tested in C over the segment: the common case skips encode_segment's step per block and
+    encodes the events once, for the fingerprint and the chunk both."""
+    if (set(map(len, map(_hashes, events))) != {1} or set(map(_provenance, events)) != {None}
+            or any(map(eq, map(_parent, islice(events, 1, None)), keys))
+            or len(set(map(id, events))) != len(events)):
+        return None
+    return _encoder.encode(events)
+
+
+def _plain_chunk(source: str, body: bytes) -> bytes:
+    """The chunk encode_segment makes of ``events`` whose msgpack is ``body`` (_plain_body)."""
+    raw = msgspec.Raw(body)
+    return zlib.compress(_encoder.encode((SourceSnapshot(source, 0, 0, raw),)), 1)  # type: ignore[arg-type]
 
 
 def encode_segment(source: str, medium: Medium, group: int, tier: Tier, keys: list[int]) -> bytes:
@@ -168,14 +226,22 @@ def cut_tail(source: str, medium: Medium, group: int, start: int, keys: list[int
     """The chunks of one tier's blocks from position ``start`` on (``keys`` and ``values``
     from there to its end), ``start`` a segment's start: the segments from there are the
     whole tier's from there, since a boundary depends only on the blocks since the last one."""
-    for a, b in segments(keys, cuts):
+    packed = array("Q", keys)  # hashes are 64-bit (as fingerprints have always required)
+    for a, b in segments(packed, cuts):
         part, events = keys[a:b], values[a:b]
-        fp = fingerprint(source, medium, group, part, events)
+        body = _plain_body(part, events)
+        if body is None:
+            fp = fingerprint(source, medium, group, part, events)
+        else:
+            fp = _digest(source, medium, group, memoryview(packed)[a:b], array("Q", range(b - a)), body)
         hit = known.get(fp)
         if hit is not None and hit[0] in present:
             yield Piece(hit[0], hit[1], fp, None, start + b, part)
             continue
-        data = encode_segment(source, medium, group, dict(zip(part, events, strict=True)), part)
+        if body is None:
+            data = encode_segment(source, medium, group, dict(zip(part, events, strict=True)), part)
+        else:
+            data = _plain_chunk(source, body)
         address = chunk_address(data)
         yield Piece(address, len(data), fp, None if address in present else data, start + b, part)
 

@@ -10,7 +10,16 @@ from collections.abc import Sequence
 import pytest
 
 from events.checkpoint import CheckpointBroken, Manifest, chunk_keys, decode_snapshot
-from events.checkpoint_cut import Cuts, Piece, fences, pieces, segments
+from events.checkpoint_cut import (
+    Cuts,
+    Piece,
+    cut_tail,
+    encode_segment,
+    fences,
+    fingerprint,
+    pieces,
+    segments,
+)
 from events.logkeys import LogKeys
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event, LogRecord
 from events.state import CacheState
@@ -164,6 +173,65 @@ def test_a_sequence_of_hashes_that_are_all_boundaries_still_makes_min_sized_chun
     keys = [0] * 1000  # mixes to 0: every block is a boundary candidate
     sizes = [e - s for s, e in segments(keys, Cuts(100, 1024, 4096))]
     assert sizes == [100] * 10
+
+
+def _segments_per_block(keys: Sequence[int], cuts: Cuts) -> list[tuple[int, int]]:
+    """The boundary rule written out a block at a time (the module docstring's)."""
+    shift, out, start = 64 - (cuts.avg.bit_length() - 1), [], 0
+    while start < len(keys):
+        last = min(start + cuts.max, len(keys)) - 1
+        i = min(start + cuts.min - 1, last)
+        while shift < 64 and i < last and ((keys[i] * 0x9E3779B97F4A7C15) % 2**64) >> shift:
+            i += 1
+        out.append((start, i + 1))
+        start = i + 1
+    return out
+
+
+@pytest.mark.parametrize("cuts", [Cuts(), Cuts(1, 1, 1), Cuts(1, 2, 3), Cuts(4, 8, 32), Cuts(1, 1, 8),
+                                  Cuts(16, 64, 512)])
+def test_segments_follow_the_rule_block_by_block(cuts: Cuts) -> None:
+    """segments tests every hash at once (numpy); its cuts are the per-block rule's exactly,
+    for random hashes, small ones, the largest 64-bit ones, and a hash past 64 bits."""
+    rnd = random.Random(cuts.max)
+    for n in (0, 1, cuts.min, cuts.max + 1, 3000):
+        keys = [rnd.choice((rnd.getrandbits(64), rnd.randrange(100), 2**64 - 1 - rnd.randrange(9)))
+                for _ in range(n)]
+        assert list(segments(keys, cuts)) == _segments_per_block(keys, cuts)
+    wide = [rnd.getrandbits(64) for _ in range(200)] + [2**70]
+    assert list(segments(wide, cuts)) == _segments_per_block(wide, cuts)
+
+
+def test_segments_of_single_block_events_are_cut_as_encode_segment_cuts_them() -> None:
+    """Segments whose blocks are each a single-block event of their own take a shorter path
+    (the events encoded once); their chunks and fingerprints are the general path's, and a
+    segment with a chain link, a provenance or a multi-block event takes the general one."""
+    rnd = random.Random(5)
+    events: list[BlockStored] = []
+    for i in range(3000):
+        h = rnd.getrandbits(64)
+        if i % 997 == 500:  # a link: this block's parent is the block before it
+            events.append(stored([h], parent=events[-1].block_hashes[0]))
+        elif i % 1301 == 700:
+            events.append(BlockStored((h,), None, (1, 2), 2, "CPU", provenance="fleet:n2"))
+        elif i % 1701 == 900:
+            events.append(stored([h, h ^ 1, h ^ 2]))
+        else:
+            events.append(BlockStored((h,), rnd.choice((None, 7)), (i, i + 1), 2, "CPU",
+                                      lora_name=rnd.choice((None, "l")),
+                                      extra_keys=rnd.choice((None, (("x",),)))))
+    keys = [h for e in events for h in e.block_hashes]
+    values = [e for e in events for _ in e.block_hashes]
+    tier = dict(zip(keys, values, strict=True))
+    got = list(cut_tail("s", "CPU", 0, 0, keys, values, Cuts(64, 256, 1024), {}, set()))
+    assert len(got) > 5
+    start = 0
+    for piece in got:
+        part = keys[start:piece.end]
+        assert piece.data == encode_segment("s", "CPU", 0, tier, part)
+        assert piece.fingerprint == fingerprint("s", "CPU", 0, part, values[start:piece.end])
+        start = piece.end
+    assert start == len(keys)
 
 
 def test_readers_refuse_a_format_they_do_not_know() -> None:
