@@ -4,7 +4,13 @@
 Per tier: the previous export's pieces (their fingerprints and where each ended), a map of
 each hash of that export to its piece's fingerprint, and the segments the reducer's changes
 touched since (``touched``: per fingerprint the blocks the segment lost; None where the tier
-must be cut whole: cleared, replaced, or no map). The reducer's changes
+must be cut whole: cleared, replaced, or no map). A map is kept only for a tier that changes
+otherwise than by appends (``changing``: one that has since this book's first export; the
+first export maps every tier, which of them will change is not known yet): an append-only tier
+(a cache still filling, a benchmark's stream) never needs one, and a map grows with its tier,
+~0.1 us a block appended and, at each doubling, a resize that stalls the loop for tens of ms at
+a million entries (DECISIONS 74). Its first change then costs one cut of it whole, which maps it
+from then on. The reducer's changes
 (CacheState.take_changes) are placed on segments as they are taken (:meth:`CutBook.absorb`, in
 steps a caller can yield between), so the export's instant finds them counted. A map is built
 while an export's pieces arrive (each piece carries its hashes); an export that never
@@ -39,6 +45,8 @@ class CutBook:
         self._building: dict[TierId, dict[int, bytes]] = {}
         self._order: list[tuple[TierId, int]] = []  # (tier, its length) of the export begun
         self._at = 0
+        self.changing: set[TierId] = set()  # tiers changed otherwise than by appends: mapped
+        self._is_first = True  # no export committed yet: every tier cut whole is mapped
 
     def absorb(self, changes: Mapping[TierId, TierChanges], step: int = 1 << 30) -> Iterator[None]:
         """Place the reducer's changes (CacheState.take_changes) on the previous cut's
@@ -47,6 +55,7 @@ class CutBook:
         its segment again maps what is still resident anew."""
         self._give_up()
         for tid, change in changes.items():
+            self.changing.add(tid)
             seg_of = self.maps.get(tid)
             counts = self.touched.get(tid, Counter())
             if change.reset or seg_of is None or counts is None or not self.mapping or tid not in self.cuts:
@@ -100,6 +109,8 @@ class CutBook:
         self._at = 0
         for p in parts:
             seg_of = self.maps.get(p.tier)
+            if not (self._is_first or p.tier in self.changing):
+                continue  # append-only so far: no map (one there since the first export goes)
             if p.whole and self.mapping:
                 self._building[p.tier] = {}  # built anew as the pieces arrive
             elif seg_of is not None:  # kept pieces' hashes stay; removed ones left in absorb
@@ -138,4 +149,5 @@ class CutBook:
         self.cuts = {t: TierCut(self._edits[t], tuple(ps)) for t, ps in self._next.items()}
         self.maps = self._building
         self.touched = {}  # changes are placed on these cuts from here on
+        self._is_first = False
         self._next, self._order, self._building = {}, [], {}

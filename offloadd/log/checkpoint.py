@@ -206,6 +206,7 @@ class Checkpointer:
         book.mapping = self.track_removals  # no maps: a tier with removals is cut whole
         for _ in book.absorb(state.take_changes(), step=_ABSORB_STEP):
             await asyncio.sleep(0)  # removals placed on segments a slice at a time
+        await asyncio.sleep(0)  # the loop runs between this work and the instant's copy
         offset = state.offset  # no await from here to the copy or the fork in export_pieces
         ckpt_id = checkpoint_id(self.epoch, offset)
         sources, fork_s = fences(state), list[float]()

@@ -294,3 +294,34 @@ def test_an_export_never_committed_costs_no_whole_cut_until_its_tiers_change_aga
     log.put("a", BlockRemoved((800,), "GPU"))
     d.check()
     assert d.cut <= 3 * CUTS.max  # mapped again by that whole cut
+
+
+def test_a_tier_that_only_grows_keeps_no_map_and_its_first_change_cuts_it_whole_once() -> None:
+    """A map of hash -> segment is kept only for a tier that changes otherwise than by
+    appends (DECISIONS 74): the first export maps every tier, the next drops the map of one that
+    only grew; that tier's first removal cuts it whole once (exact), which maps it again, and
+    from then on its removals cut only their segments."""
+    log = Log()
+    grow(log, "a", 1, 1000)
+    grow(log, "b", 1, 1000)
+    d = Delta(log.state)
+    d.check()
+    assert set(d.book.maps) == {("a", "GPU", 0), ("b", "GPU", 0)}  # the first export: all
+    grow(log, "a", 5000, 300)
+    log.put("b", BlockRemoved((10,), "GPU"))
+    grow(log, "b", 5000, 300)
+    d.check()
+    assert set(d.book.maps) == {("b", "GPU", 0)}  # "a" only grew: its map went
+    assert d.cut <= 300 + 2 * CUTS.max + 300 + 3 * CUTS.max
+    for round_ in range(3):  # still growing: appends cut alone, no map comes back
+        grow(log, "a", 6000 + 100 * round_, 100)
+        d.check()
+        assert ("a", "GPU", 0) not in d.book.maps and d.cut <= 100 + 2 * CUTS.max
+    log.put("a", BlockRemoved((500,), "GPU"))  # its first change: cut whole, mapped again
+    d.check()
+    whole_a = len(log.state.resident("a", "GPU"))
+    assert whole_a <= d.cut <= whole_a + CUTS.max  # all of "a", and "b"'s last segment
+    assert d.book.maps[("a", "GPU", 0)].keys() == set(log.state.resident("a", "GPU"))
+    log.put("a", BlockRemoved((700,), "GPU"))  # from then on: its segments only
+    d.check()
+    assert d.cut <= 3 * CUTS.max + 2 * CUTS.max
