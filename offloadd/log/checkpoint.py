@@ -12,8 +12,9 @@ Writing (:class:`Checkpointer`, a background task of the daemon):
    log holds them, so the state at O is what the log holds up to O): of a tier that only grew
    since the previous checkpoint, only the blocks from that one's last segment on are cut
    again (events.checkpoint_delta), and of a tier with removals only the segments they
-   touched (events.checkpoint_dirty, DECISIONS 68), copied at O and cut in the loop in ~1 ms
-   slices; when more than ``checkpoint_fork_blocks`` are to be cut (the first checkpoint after
+   touched (events.checkpoint_dirty, DECISIONS 68), copied at O (a tier that only ever grew:
+   read after O while it still only grows, DECISIONS 74) and cut in the loop in ~1 ms slices;
+   when more than ``checkpoint_fork_blocks`` are to be cut (the first checkpoint after
    a start, a tier cleared), a forked child cuts them from its copy-on-write copy
    (offloadd.log.forked_export, DECISIONS 65);
 2. the chunks are content-addressed and shared between checkpoints (format 2 of
@@ -67,7 +68,7 @@ from events.checkpoint_cut import Cuts, fences
 from offloadd.config import OffloaddConfig
 from offloadd.log.checkpoint_load import CheckpointMissing, get_key, load, pointer_ids, restore
 from offloadd.log.checkpoint_store import CheckpointFailed, CheckpointStore
-from offloadd.log.forked_export import ExportFailed, export_pieces
+from offloadd.log.forked_export import ExportFailed, Later, TierMoved, export_pieces
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
 from offloadd.log.retention import horizon
 
@@ -124,6 +125,7 @@ class Checkpointer:
         self.stats = CheckpointStats()
         self.cuts = Cuts()
         self.batch_bytes = 1 << 20  # new chunks' bytes per script call
+        self.read_window = 16_384  # blocks of a tier read after the instant per slice (~0.5 ms)
         self.fork = True  # large exports in a forked child (offloadd.log.forked_export); False: in the loop
         self.fork_blocks = config.checkpoint_fork_blocks  # more blocks to cut than this: forked
         self.store = CheckpointStore(md, epoch)
@@ -221,7 +223,10 @@ class Checkpointer:
         size = sent = 0
         # The state at exactly `offset`: copied, or a forked child's copy, before this coroutine
         # yields again (offloadd.log.forked_export).
-        chunks = export_pieces(parts, self.cuts, known, present, fork, fork_s)
+        # Tiers that only ever grew are read when their turn comes, not copied at the instant.
+        later = Later({p.tier for p in parts if p.tier not in book.changing},
+                      lambda tid: state.edits(*tid), self.read_window)
+        chunks = export_pieces(parts, self.cuts, known, present, fork, fork_s, later)
         try:
             async with contextlib.aclosing(chunks):
                 async for piece in chunks:
@@ -236,6 +241,8 @@ class Checkpointer:
                             await self.store.write(batch)
             await self.store.write(batch)
             book.check()  # every tier's blocks came: the previous cut once the swap is done
+        except TierMoved as exc:  # not an export that failed: no second try in the loop
+            raise CheckpointFailed(str(exc)) from None
         except (ExportFailed, ValueError) as exc:
             raise CheckpointFailed(str(exc)) from exc
         manifest = Manifest(ckpt_id, offset, self.epoch, time.time(), (0,), size, FORMAT,

@@ -5,12 +5,16 @@ two leaves the previous in force and the next one exact."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from events.checkpoint_cut import pieces
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
+from events.state import CacheState
 from offloadd.config import ConfigError, OffloaddConfig
-from offloadd.log.checkpoint import CheckpointFailed, Manifest
+from offloadd.log.checkpoint import CheckpointFailed, Manifest, restore
+from offloadd.log.metadata import MetadataStore
 from tests.offloadd.test_checkpoint_incremental import Rig, scenario
 
 
@@ -93,3 +97,52 @@ def test_a_failed_checkpoint_between_two_leaves_the_next_exact(redis_url: str, n
 def test_a_negative_fork_threshold_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="checkpoint_fork_blocks: must be >= 0"):
         OffloaddConfig(checkpoint_fork_blocks=-1)
+
+
+def test_a_tier_that_only_grew_is_read_after_the_instant_and_appends_meanwhile_do_not_leak_in(
+        redis_url: str, namespace: str) -> None:
+    """In the loop, a tier that never changed otherwise than by appends is not copied at the
+    export's instant but read when its turn comes, a window at a time (DECISIONS 74): records
+    appended meanwhile are not in the checkpoint, whose recovery plus its tail is the state."""
+    async def body(rig: Rig) -> None:
+        rig.cp.fork_blocks = 1_000_000
+        rig.cp.read_window = 16  # many windows: appends land between them
+        await rig.store(0, 1000)
+        await written(rig)
+        await rig.store(1000, 400)
+        task = asyncio.create_task(rig.cp.write())
+        for i in range(20):  # applied while the export runs: after its instant
+            await rig.store(5000 + 10 * i, 10)
+        manifest = await task
+        assert manifest is not None and rig.md.state.offset > manifest.offset
+        assert rig.cp.stats.blocks_cut >= 400 and not rig.cp.stats.forked
+        back = await rig.restored()
+        assert back == rig.md.state
+        loaded = MetadataStore(rig.client, rig.keys, CacheState())
+        await restore(loaded)
+        assert len(loaded.state.resident("engine", "GPU")) == 1400  # the instant's blocks only
+
+    scenario(redis_url, namespace, body)
+
+
+def test_a_removal_while_a_tier_is_read_after_the_instant_gives_the_checkpoint_up(
+        redis_url: str, namespace: str) -> None:
+    """The tier's first removal lands while the export reads it: the instant's blocks are no
+    longer where they were, so that checkpoint fails (the previous stays in force) and the next
+    is exact."""
+    async def body(rig: Rig) -> None:
+        rig.cp.fork_blocks = 1_000_000
+        rig.cp.read_window = 16
+        await rig.store(0, 1000)
+        first = await written(rig)
+        await rig.store(1000, 400)
+        task = asyncio.create_task(rig.cp.write())
+        await asyncio.sleep(0)
+        await rig.put(BlockRemoved((10,), "GPU"))
+        with pytest.raises(CheckpointFailed, match="changed otherwise than by appends"):
+            await task
+        assert (await rig.kept())[0].ckpt_id == first.ckpt_id
+        await written(rig)  # the tier has changed: cut whole, and exact
+        assert await rig.restored() == rig.md.state
+
+    scenario(redis_url, namespace, body)
