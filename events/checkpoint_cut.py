@@ -227,7 +227,18 @@ def cut_tail(source: str, medium: Medium, group: int, start: int, keys: list[int
     from there to its end), ``start`` a segment's start: the segments from there are the
     whole tier's from there, since a boundary depends only on the blocks since the last one."""
     packed = array("Q", keys)  # hashes are 64-bit (as fingerprints have always required)
-    for a, b in segments(packed, cuts):
+    yield from cut_segments(source, medium, group, start, keys, values, packed,
+                            segments(packed, cuts), known, present)
+
+
+def cut_segments(source: str, medium: Medium, group: int, start: int, keys: list[int],
+                 values: list[BlockStored], packed: array[int], bounds: Iterable[tuple[int, int]],
+                 known: Mapping[bytes, tuple[str, int]], present: Container[str]) -> Iterator[Piece]:
+    """The chunks of the segments ``bounds`` (``[a, b)`` of ``keys``, ``values`` and
+    ``packed``, their hashes as an array) of a run of a tier that starts at position ``start``:
+    cut_tail's, or a part of them for a caller that reads a tier a window at a time (the
+    segments it knows to be complete)."""
+    for a, b in bounds:
         part, events = keys[a:b], values[a:b]
         body = _plain_body(part, events)
         if body is None:

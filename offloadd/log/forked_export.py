@@ -38,13 +38,11 @@ import struct
 import time
 from array import array
 from collections.abc import AsyncGenerator, Callable, Container, Mapping
-from dataclasses import replace
-from itertools import chain, islice
+from itertools import islice
 from typing import Final, NamedTuple, NoReturn
 
-from events.checkpoint_cut import Cuts, Piece
+from events.checkpoint_cut import Cuts, Piece, cut_segments, cut_tail, segments
 from events.checkpoint_delta import TierId, TierTail, cut_tails
-from events.checkpoint_dirty import Stretch
 from events.schema import BlockStored
 
 _FRAME: Final = struct.Struct("<B16s16sQQQ")  # kind, address, fingerprint, chunk length, end, keys
@@ -68,39 +66,53 @@ class TierMoved(Exception):
     longer where they were, so this export is given up; the next one cuts the tier as it is."""
 
 
-async def _read_later(part: TierTail, later: Later, loop: asyncio.AbstractEventLoop) -> TierTail:
-    """``part`` with its uncopied stretch read from the live tier: from its end back, a window
-    at a time with the loop running between, each read while the tier's edits count is still
-    the instant's. A tier with only appends since holds the instant's blocks at the instant's
-    positions (CacheState.edits), and its end moved on by what was appended, so a position
-    counted from the end is the one of the instant plus those: the export's instant costs no
-    copy of an append-only tier (~3 ms per 100k blocks), and its copy is spread out."""
+async def _cut_later(part: TierTail, later: Later, cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
+                     present: Container[str]) -> AsyncGenerator[Piece, None]:
+    """``part``'s pieces, its uncopied stretch read from the live tier a window at a time,
+    each window read while the tier's edits count is still the instant's and cut at once (the
+    segments it completes; the last, maybe incomplete, waits for the next window: a boundary
+    depends only on the blocks since the previous one, so the cut is the whole stretch's). A
+    tier with only appends since holds the instant's blocks at the instant's positions
+    (CacheState.edits), and its end moved on by what was appended, so position ``p`` is
+    ``len - 1 - p`` from the end: read from there, never copied at the instant (~3 ms per 100k
+    blocks) and never held whole a second time."""
     tier = part.live
     assert tier is not None
-    out: list[Stretch] = []
+    source, medium, group = part.tier
     for stretch in part.stretches:
-        if stretch.keys is not None:
-            out.append(stretch)
+        for piece in stretch.kept:
+            yield piece
+        if stretch.keys is not None and stretch.values is not None:
+            for piece in cut_tail(source, medium, group, stretch.start, stretch.keys, stretch.values,
+                                  cuts, known, present):
+                yield piece
             continue
-        key_runs: list[list[int]] = []
-        value_runs: list[list[BlockStored]] = []
-        done, need = 0, stretch.end - stretch.start
-        while done < need:
+        base = pos = stretch.start  # base: the position of keys[0], a segment's start
+        keys: list[int] = []
+        values: list[BlockStored] = []
+        while pos < stretch.end:
             if later.edits_now(part.tier) != part.edits or len(tier) < part.length:
                 raise TierMoved(f"tier {part.tier} changed otherwise than by appends during the "
                                 "export; this checkpoint is given up, the next one cuts it as it is")
-            t = loop.time()
-            n = min(later.window, need - done)
-            skip = len(tier) - stretch.end + done  # appended since the instant, and read already
-            key_runs.append(list(islice(reversed(tier), skip, skip + n)))
-            value_runs.append(list(islice(reversed(tier.values()), skip, skip + n)))
-            done += n
-            await asyncio.sleep((loop.time() - t) * _PAUSE)
-        keys, values = list(chain.from_iterable(key_runs)), list(chain.from_iterable(value_runs))
-        keys.reverse()
-        values.reverse()
-        out.append(replace(stretch, keys=keys, values=values))
-    return replace(part, live=None, stretches=tuple(out))
+            n = min(later.window, stretch.end - pos)
+            skip = len(tier) - pos - n  # from the end: what was appended since, and after pos + n
+            run_k = list(islice(reversed(tier), skip, skip + n))
+            run_v = list(islice(reversed(tier.values()), skip, skip + n))
+            run_k.reverse()
+            run_v.reverse()
+            keys += run_k
+            values += run_v
+            pos += n
+            packed = array("Q", keys)
+            bounds = list(segments(packed, cuts))
+            if pos < stretch.end:
+                bounds.pop()  # the last may go on in the next window
+            for piece in cut_segments(source, medium, group, base, keys, values, packed, bounds,
+                                      known, present):
+                yield piece
+            done = bounds[-1][1] if bounds else 0
+            del keys[:done], values[:done]
+            base += done
 
 
 class ExportFailed(Exception):
@@ -122,13 +134,18 @@ async def export_pieces(parts: list[TierTail], cuts: Cuts, known: Mapping[bytes,
         loop = asyncio.get_running_loop()
         since = loop.time()
         for part in parts:
-            if part.live is not None and later is not None:
-                part = await _read_later(part, later, loop)
-                since = loop.time()
-            for piece in cut_tails([part], cuts, known, present):
+            if part.live is None or later is None:
+                for piece in cut_tails([part], cuts, known, present):
+                    yield piece
+                    work = loop.time() - since
+                    if work >= _SLICE_S:  # a busy loop keeps up with its stream meanwhile
+                        await asyncio.sleep(work * _PAUSE)
+                        since = loop.time()
+                continue
+            async for piece in _cut_later(part, later, cuts, known, present):
                 yield piece
                 work = loop.time() - since
-                if work >= _SLICE_S:  # a busy loop keeps up with its stream meanwhile
+                if work >= _SLICE_S:
                     await asyncio.sleep(work * _PAUSE)
                     since = loop.time()
         return
