@@ -34,8 +34,14 @@ def test_garbage_is_counted_logged_once_per_kind_and_never_fatal(
     assert kinds == {"frame_count": 3, "seq_frame": 1, "topic": 1, "payload": 1}
     assert ingest.metric("kvingest_resyncs_total", source="pod-a", reason="undecodable batch") == 1
     assert ingest.output().count("(frame_count:") == 1  # logged once, counted thrice
-    code, health = ingest.health()
-    assert code == 200 and health["publishers"]["pod-a"]["offloadd_connected"] is True
+    # The resync closed the source's stream to offloadd and the next batch opened a new one:
+    # connected once its first ack is back, which the follower's next poll reports.
+
+    def healthy() -> bool:
+        code, health = ingest.health()
+        return code == 200 and health["publishers"]["pod-a"]["offloadd_connected"] is True
+
+    wait_for(healthy, timeout_s=5.0, what="healthy and connected on the new stream")
     assert ingest.proc is not None and ingest.proc.poll() is None
 
 
