@@ -113,6 +113,12 @@ def segments(keys: Sequence[int], cuts: Cuts) -> Iterator[tuple[int, int]]:
         start = i + 1
 
 
+def preload() -> None:
+    """Import what :func:`segments` imports at its first call (numpy, ~70 ms): a daemon calls
+    it in a thread once it serves, so its first cut in the loop does not stall the loop."""
+    import numpy  # noqa: F401
+
+
 def _segments_slow(keys: Sequence[int], cuts: Cuts, shift: int) -> Iterator[tuple[int, int]]:
     n = len(keys)
     start = 0

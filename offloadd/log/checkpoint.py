@@ -64,7 +64,7 @@ from events.checkpoint import (
     split,
 )
 from events.checkpoint_book import CutBook
-from events.checkpoint_cut import Cuts, fences
+from events.checkpoint_cut import Cuts, fences, preload
 from offloadd.config import OffloaddConfig
 from offloadd.log.checkpoint_load import CheckpointMissing, get_key, load, pointer_ids, restore
 from offloadd.log.checkpoint_store import CheckpointFailed, CheckpointStore
@@ -139,6 +139,7 @@ class Checkpointer:
         cfg = self.config
         last = time.monotonic()
         await self._quietly(self.prime())
+        await asyncio.to_thread(preload)  # off the loop, before the first cut (DECISIONS 74)
         while True:
             await asyncio.sleep(min(1.0, cfg.checkpoint_interval_s))
             behind = self.md.state.offset - self.stats.offset
