@@ -8,10 +8,10 @@ twice as long (the export takes at most a third of a busy loop, which keeps up w
 streams meanwhile): no fork, whose page-table copy stalls the loop longer than such a copy
 (DECISIONS 65). They are copied at the export's instant (C speed, from each tier's end), but
 a tier that never changed otherwise than by appends is read when its turn comes, a window at
-a time, as long as it still has not (DECISIONS 74: TierMoved gives the export up otherwise). Many (the first export after a
-start, a tier cleared, removals all over a tier) go to a forked child: ``fork()`` gives it an
-exact copy of the state at this instant (copy-on-write: the parent keeps applying records at
-once); the child cuts it, encodes the chunks whose segments are not in ``known``, and streams
+a time, as long as it still has not (DECISIONS 74: TierMoved gives the export up otherwise).
+Many (the first export after a start, a tier cleared, removals all over a tier) go to a forked
+child: ``fork()`` gives it an exact copy of the state at this instant (copy-on-write: the parent
+keeps applying records at once); the child cuts it, encodes the chunks whose segments are not in ``known``, and streams
 one frame per chunk through a pipe, ``[kind, address, fingerprint, length, end, number of
 keys]``, the segment's block hashes (8 bytes each: the parent maps them to the segment,
 events.checkpoint_book), then the bytes unless Redis holds them already (``present``), ended by
