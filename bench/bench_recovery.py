@@ -10,7 +10,7 @@ log has seen each of ``--sizes`` records (cumulative, one Redis), and at each si
 killed with SIGKILL and started again on the same Redis and arena: the time from ``exec`` to
 health SERVING (and the daemon's own recovery time from its ``serving`` log line), Redis
 ``used_memory``, the newest checkpoint's bytes and the retained log's bytes. The daemon runs with
-the default ``checkpoint_records`` (25,000) and ``--retention-records 100000 --retention-s 0``
+the default ``checkpoint_records`` (10,000) and ``--retention-records 100000 --retention-s 0``
 (the default ``retention_s`` keeps a day of records, by design: memory then follows a day's
 traffic, not history).
 
@@ -86,13 +86,14 @@ from events.records import RECORD_FIELD, encode_record, entry_id
 from events.schema import BlockRemoved, BlockStored, LogRecord
 from events.state import CacheState, Snapshot, SourceSnapshot
 from offloadd.client import BlockToStore, OffloadClient
+from offloadd.config import OffloaddConfig
 from offloadd.log import projection
 from tests.support.offloadd_proc import REPO, DaemonProcess
 from tests.support.redis_proc import RedisProcess
 from tests.support.synthetic_engine import GROUP, SLOT, block_bytes, digest
 
 HISTORY = "history-engine"
-CKPT_RECORDS = 25_000  # the daemon's default checkpoint_records
+CKPT_RECORDS = OffloaddConfig().checkpoint_records  # the daemon's default (this tree's)
 RETENTION = ("--retention-records", "100000", "--retention-s", "0")
 REDIS_TIMEOUT = ("--redis-timeout-s", "5")  # a loaded machine's Redis can take a second to answer
 CHAIN = 256  # blocks per Reserve/Commit

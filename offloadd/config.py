@@ -119,8 +119,9 @@ class OffloaddConfig:
     checkpoint_interval_s: float = 60.0
     """A checkpoint of the reduced state is written this often when records were appended
     since the last one (offloadd.log.checkpoint); recovery replays only the log after it."""
-    checkpoint_records: int = 25_000
-    """... and as soon as this many records were appended since the last checkpoint."""
+    checkpoint_records: int = 10_000
+    """... and as soon as this many records were appended since the last checkpoint: it bounds
+    the tail a restart replays (DECISIONS 48, 75)."""
     checkpoint_fork_blocks: int = 250_000
     """A checkpoint cuts only what changed since the previous one when a tier only grew, else
     the whole tier; up to this many blocks to cut, it cuts them in the event loop in ~1 ms
