@@ -48,6 +48,7 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from events.checkpoint_cut import preload
 from events.logkeys import LogKeys
 from events.schema import BlockRemoved, BlockStored, Event, LogRecord
 from events.state import CacheState
@@ -105,6 +106,7 @@ async def one_run(url: str, mode: str, args: argparse.Namespace, run: int) -> di
     cp.track_removals = mode != "whole"
     if mode != "none":
         await cp.write()  # the whole state once, as after a restart: not measured
+    preload()  # what Checkpointer.run imports in a thread before its first cut (the daemon's)
     aof0 = await client.info("persistence")
     loop = asyncio.get_running_loop()
     lags: list[float] = []
