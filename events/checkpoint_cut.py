@@ -87,49 +87,41 @@ class Piece:
 def segments(keys: Sequence[int], cuts: Cuts) -> Iterator[tuple[int, int]]:
     """``[start, end)`` of each segment of a tier whose hashes are ``keys`` (module docstring).
     The boundary test runs over all the hashes at once in numpy (~10 ns a block instead of a
-    Python step each); a hash outside 0..2**64-1 takes the per-block loop, same rule. numpy is
+    Python step each); a hash outside 0..2**64-1 takes a per-block pass, same rule. numpy is
     imported at the first call, not with the module: the daemon imports this module before it
     serves, and its first checkpoint comes after (~70 ms less to SERVING)."""
     n = len(keys)
-    shift = 64 - (cuts.avg.bit_length() - 1)  # a boundary: the mixed hash's top bits all 0
-    try:
-        packed = keys if isinstance(keys, array) else array("Q", keys)
-    except OverflowError:
-        packed = None
-    if packed is None or shift >= 64:  # avg 1: every segment is ``min`` long
-        yield from _segments_slow(keys, cuts, shift)
-        return
-    import numpy as np  # here, not at the top (docstring: off the daemon's start)
-
-    mixed = np.frombuffer(packed, dtype=np.uint64) * np.uint64(_MIX)  # wraps: mod 2**64
-    marks = np.flatnonzero((mixed >> np.uint64(shift)) == 0).tolist()
+    marks = _marks(keys, 64 - (cuts.avg.bit_length() - 1))
     start = 0
     while start < n:
         last = min(start + cuts.max, n) - 1
         i = min(start + cuts.min - 1, last)
-        at = bisect_left(marks, i)
+        at = bisect_left(marks, i)  # the first boundary candidate from the segment's minimum on
         i = marks[at] if at < len(marks) and marks[at] < last else last
         yield start, i + 1
         start = i + 1
+
+
+def _marks(keys: Sequence[int], shift: int) -> Sequence[int]:
+    """The positions, ascending, whose hash may end a segment: its mixed hash's top bits all 0
+    (shift 64, an ``avg`` of 1: every position)."""
+    if shift >= 64:
+        return range(len(keys))
+    try:
+        packed = keys if isinstance(keys, array) else array("Q", keys)
+    except OverflowError:
+        return [i for i, k in enumerate(keys) if not ((k * _MIX) & _MASK) >> shift]
+    import numpy as np  # here, not at the top (segments' docstring: off the daemon's start)
+
+    mixed = np.frombuffer(packed, dtype=np.uint64) * np.uint64(_MIX)  # wraps: mod 2**64
+    marks: list[int] = np.flatnonzero((mixed >> np.uint64(shift)) == 0).tolist()
+    return marks
 
 
 def preload() -> None:
     """Import what :func:`segments` imports at its first call (numpy, ~70 ms): a daemon calls
     it in a thread once it serves, so its first cut in the loop does not stall the loop."""
     import numpy  # noqa: F401
-
-
-def _segments_slow(keys: Sequence[int], cuts: Cuts, shift: int) -> Iterator[tuple[int, int]]:
-    n = len(keys)
-    start = 0
-    while start < n:
-        last = min(start + cuts.max, n) - 1
-        i = min(start + cuts.min - 1, last)
-        if shift < 64:
-            while i < last and ((keys[i] * _MIX) & _MASK) >> shift:
-                i += 1
-        yield start, i + 1
-        start = i + 1
 
 
 def fingerprint(source: str, medium: Medium, group: int, keys: list[int], events: list[BlockStored]) -> bytes:

@@ -66,6 +66,13 @@ class TierMoved(Exception):
     longer where they were, so this export is given up; the next one cuts the tier as it is."""
 
 
+async def _cut_now(part: TierTail, cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
+                   present: Container[str]) -> AsyncGenerator[Piece, None]:
+    """``part``'s pieces, its blocks copied (events.checkpoint_delta.cut_tails)."""
+    for piece in cut_tails([part], cuts, known, present):
+        yield piece
+
+
 async def _cut_later(part: TierTail, later: Later, cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
                      present: Container[str]) -> AsyncGenerator[Piece, None]:
     """``part``'s pieces, its uncopied stretch read from the live tier a window at a time,
@@ -134,18 +141,12 @@ async def export_pieces(parts: list[TierTail], cuts: Cuts, known: Mapping[bytes,
         loop = asyncio.get_running_loop()
         since = loop.time()
         for part in parts:
-            if part.live is None or later is None:
-                for piece in cut_tails([part], cuts, known, present):
-                    yield piece
-                    work = loop.time() - since
-                    if work >= _SLICE_S:  # a busy loop keeps up with its stream meanwhile
-                        await asyncio.sleep(work * _PAUSE)
-                        since = loop.time()
-                continue
-            async for piece in _cut_later(part, later, cuts, known, present):
+            cut = (_cut_now(part, cuts, known, present) if part.live is None or later is None
+                   else _cut_later(part, later, cuts, known, present))
+            async for piece in cut:
                 yield piece
                 work = loop.time() - since
-                if work >= _SLICE_S:
+                if work >= _SLICE_S:  # a busy loop keeps up with its stream meanwhile
                     await asyncio.sleep(work * _PAUSE)
                     since = loop.time()
         return
