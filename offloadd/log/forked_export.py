@@ -53,11 +53,12 @@ _REF, _DATA, _DONE = 0, 1, 2  # kinds: a chunk Redis holds; one whose bytes foll
 
 class Later(NamedTuple):
     """What an export in the loop may read after its instant: the tiers, a tier's edits count
-    now (CacheState.edits by tier id), and how many blocks it reads per slice (~0.5 ms)."""
+    now (CacheState.edits by tier id), and how many blocks it reads per slice
+    (Checkpointer.read_window)."""
 
     tiers: Container[TierId]
     edits_now: Callable[[TierId], int]
-    window: int = 16_384
+    window: int
 
 
 class TierMoved(Exception):
