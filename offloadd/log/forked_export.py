@@ -68,14 +68,14 @@ class TierMoved(Exception):
 
 
 async def _cut_now(part: TierTail, cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
-                   present: Container[str]) -> AsyncGenerator[Piece, None]:
+                   present: Container[str]) -> AsyncGenerator[Piece | None, None]:
     """``part``'s pieces, its blocks copied (events.checkpoint_delta.cut_tails)."""
     for piece in cut_tails([part], cuts, known, present):
         yield piece
 
 
 async def _cut_later(part: TierTail, later: Later, cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
-                     present: Container[str]) -> AsyncGenerator[Piece, None]:
+                     present: Container[str]) -> AsyncGenerator[Piece | None, None]:
     """``part``'s pieces, its uncopied stretch read from the live tier a window at a time,
     each window read while the tier's edits count is still the instant's and cut at once (the
     segments it completes; the last, maybe incomplete, waits for the next window: a boundary
@@ -83,7 +83,11 @@ async def _cut_later(part: TierTail, later: Later, cuts: Cuts, known: Mapping[by
     tier with only appends since holds the instant's blocks at the instant's positions
     (CacheState.edits), and its end moved on by what was appended, so position ``p`` is
     ``len - 1 - p`` from the end: read from there, never copied at the instant (~3 ms per 100k
-    blocks) and never held whole a second time."""
+    blocks) and never held whole a second time. Only the window's hashes are read by position
+    (~9 ns a block skipped from the end: the dict has no index); its events are looked up by
+    hash (a stored-again block is an edit, so each hash still maps to the instant's event). A
+    window read is a slice of its own: None is yielded after it, a point where the caller may
+    pause before the window's segments are cut."""
     tier = part.live
     assert tier is not None
     source, medium, group = part.tier
@@ -104,13 +108,12 @@ async def _cut_later(part: TierTail, later: Later, cuts: Cuts, known: Mapping[by
                                 "export; this checkpoint is given up, the next one cuts it as it is")
             n = min(later.window, stretch.end - pos)
             skip = len(tier) - pos - n  # from the end: what was appended since, and after pos + n
-            run_k = list(islice(reversed(tier), skip, skip + n))
-            run_v = list(islice(reversed(tier.values()), skip, skip + n))
-            run_k.reverse()
-            run_v.reverse()
-            keys += run_k
-            values += run_v
+            run = list(islice(reversed(tier), skip, skip + n))
+            run.reverse()
+            keys += run
+            values += map(tier.__getitem__, run)
             pos += n
+            yield None  # the window is the instant's whatever the tier does from here on
             packed = array("Q", keys)
             bounds = list(segments(packed, cuts))
             if pos < stretch.end:
@@ -145,7 +148,8 @@ async def export_pieces(parts: list[TierTail], cuts: Cuts, known: Mapping[bytes,
             cut = (_cut_now(part, cuts, known, present) if part.live is None or later is None
                    else _cut_later(part, later, cuts, known, present))
             async for piece in cut:
-                yield piece
+                if piece is not None:
+                    yield piece
                 work = loop.time() - since
                 if work >= _SLICE_S:  # a busy loop keeps up with its stream meanwhile
                     await asyncio.sleep(work * _PAUSE)
