@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+
+# The imports below make ~0.35 s of a restart's time to SERVING and allocate a few hundred
+# thousand objects that live as long as the process: the cyclic collector, run every 700
+# allocations, would only rescan them (~10% of that time). Off while they load, on again at the
+# end of this module (recovery then freezes them with the state it rebuilt).
+_collecting = gc.isenabled()
+gc.disable()
+
 import asyncio
 import logging
 import os
@@ -22,6 +31,8 @@ from rpc.logs import redact_url, setup_logging, url_secrets
 from rpc.tls import SecurityConfigError, read_token
 
 log = logging.getLogger("offloadd")
+if _collecting:
+    gc.enable()
 
 
 async def serve(config: OffloaddConfig) -> int:

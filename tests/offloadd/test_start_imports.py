@@ -30,3 +30,14 @@ def test_block_hashing_still_imports_numpy_when_used() -> None:
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
                          check=True, timeout=60).stdout
     assert out.split() == ["True", "True"]
+
+
+def test_the_daemons_imports_leave_the_collector_as_they_found_it() -> None:
+    """offloadd.__main__ loads its imports with the collector off (a restart's time) and turns
+    it back on only if it was on: importing it changes nothing for the importer."""
+    probe = ("import gc, sys; on = sys.argv[1] == 'on'; gc.enable() if on else gc.disable(); "
+             "import offloadd.__main__; print(gc.isenabled())")
+    for state, want in (("on", "True"), ("off", "False")):
+        out = subprocess.run([sys.executable, "-c", probe, state], cwd=REPO, capture_output=True,
+                             text=True, check=True, timeout=60).stdout
+        assert out.strip() == want, state
