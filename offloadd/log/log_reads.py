@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import msgspec
@@ -21,8 +22,11 @@ from events.schema import LogRecord, SchemaError
 from offloadd.errors import ForeignData, OffloaddError
 from offloadd.log import projection
 from offloadd.log.log_errors import RedisUnavailable
-from offloadd.log.projection import EngineRecord, LayoutRecord, ProjectedBlock
+from offloadd.log.projection import EngineRecord, LayoutRecord
+from offloadd.tier.index import SlotEntry
 from rpc.redis_connect import client_url
+
+_FIRST_BYTE = itemgetter(slice(0, 1))
 
 _record_decoder = msgspec.msgpack.Decoder(LogRecord)  # events.records' format, unvalidated
 
@@ -36,7 +40,7 @@ class Persisted:
     sources: dict[str, tuple[int, int]]
     layouts: list[LayoutRecord]
     engines: list[EngineRecord]
-    blocks: dict[int, dict[bytes, ProjectedBlock]]
+    blocks: dict[int, dict[bytes, SlotEntry]]  # layout -> its rows as entries (read_rows)
     num_rows: dict[int, int] = field(default_factory=dict)  # layout -> its projection's rows
 
 
@@ -194,8 +198,8 @@ class LogReads:
             num_rows=dict(zip(block_keys, map(int, lengths), strict=True)),
         )
 
-    async def load_rows(self, persisted: Persisted) -> dict[int, dict[bytes, ProjectedBlock]]:
-        """The projection's rows of each layout :meth:`load_meta` found."""
+    async def load_rows(self, persisted: Persisted) -> dict[int, dict[bytes, SlotEntry]]:
+        """The projection's rows of each layout :meth:`load_meta` found, as tier entries."""
         try:
             return {layout_id: await self.read_rows(self.keys.blocks(layout_id), num_rows)
                     for layout_id, num_rows in persisted.num_rows.items()}
@@ -203,23 +207,23 @@ class LogReads:
             raise RedisUnavailable(f"Redis unreachable during recovery: {exc}") from exc
 
     async def read_rows(self, key: str, num_rows: int | None = None, page_rows: int = 20_000,
-                        whole_rows: int = 250_000) -> dict[bytes, ProjectedBlock]:
-        """A layout's projection rows: in one HGETALL up to ``whole_rows`` of them (Redis makes
-        the reply on its own core while the caller works: ~70 ms for 100k rows on the 2-core
-        machine, against ~95 ms as HSCAN pages, each asked for only once the last arrived);
-        beyond, paged so that no reply is large enough to hit the timeout, the next page asked
-        for before this one is decoded. ``num_rows``: HLEN, when the caller has it."""
+                        whole_rows: int = 250_000) -> dict[bytes, SlotEntry]:
+        """A layout's projection rows, decoded as the tier entries they restore (READY, not yet
+        verified: projection.decode_entry): in one HGETALL up to ``whole_rows`` of them (Redis
+        makes the reply on its own core while the caller works: ~70 ms for 100k rows on the
+        2-core machine, against ~95 ms as HSCAN pages, each asked for only once the last
+        arrived); beyond, paged so that no reply is large enough to hit the timeout, the next
+        page asked for before this one is decoded. ``num_rows``: HLEN, when the caller has it."""
         if (await self.client.hlen(key) if num_rows is None else num_rows) <= whole_rows:
-            return self._decode_all(key, await self.client.hgetall(key), projection.decode_block,
-                                    text=False)
-        rows: dict[bytes, ProjectedBlock] = {}
+            return self._decode_entries(key, await self.client.hgetall(key))
+        rows: dict[bytes, SlotEntry] = {}
         nxt = asyncio.ensure_future(self.client.hscan(key, 0, count=page_rows))
         try:
             while True:
                 cursor, page = await nxt
                 if cursor != 0:
                     nxt = asyncio.ensure_future(self.client.hscan(key, cursor, count=page_rows))
-                rows.update(self._decode_all(key, page, projection.decode_block, text=False))
+                rows.update(self._decode_entries(key, page))
                 if cursor == 0:
                     return rows
         finally:  # a page that failed to decode leaves the next one in flight
@@ -243,6 +247,17 @@ class LogReads:
             if kind.decode() not in ("none", expected):
                 raise ForeignData(f"WRONGTYPE: key {key} is a {kind.decode()}, expected a "
                                   f"{expected}; {self.repair_hint()}")
+
+    def _decode_entries(self, key: str, rows: dict[bytes, bytes]) -> dict[bytes, SlotEntry]:
+        """:meth:`_decode_all` of projection rows as entries: when every row starts as one of
+        exactly the projection's fields, all of them in C; else (or when one does not decode)
+        row by row, naming the first bad one."""
+        if set(map(_FIRST_BYTE, rows.values())) <= {projection.ROW_HEADER}:
+            try:
+                return dict(zip(rows, map(projection.decode_entries, rows.values()), strict=True))
+            except (msgspec.DecodeError, ValueError):
+                pass
+        return self._decode_all(key, rows, projection.decode_entry, text=False)
 
     def _decode_all(
         self, key: str, rows: dict[bytes, bytes], decode: Callable[[bytes], Any], text: bool = True,

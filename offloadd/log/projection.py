@@ -11,9 +11,13 @@ from typing import Any, Protocol
 
 import msgspec
 
+from offloadd.tier.index import RestoredEntry
+
 
 class ProjectedBlock(msgspec.Struct, array_like=True, frozen=True):
-    """A committed CPU-tier block: where it is and how to re-announce it."""
+    """A committed CPU-tier block: where it is and how to re-announce it. Recovery decodes a
+    row straight into a tier entry (decode_entry): its fields are SlotEntry's first seven, in
+    this order."""
 
     slot: int
     group_idx: int
@@ -79,6 +83,9 @@ class Pipe(Protocol):
 
 _enc = msgspec.msgpack.Encoder()
 _block_dec = msgspec.msgpack.Decoder(ProjectedBlock)
+_entry_dec = msgspec.msgpack.Decoder(RestoredEntry)
+ROW_HEADER = b"\x97"  # a row's first byte: a msgpack array of ProjectedBlock's 7 fields
+decode_entries = _entry_dec.decode  # rows known to start with ROW_HEADER (the bulk path, in C)
 _layout_dec = msgspec.msgpack.Decoder(LayoutRecord)
 _engine_dec = msgspec.msgpack.Decoder(EngineRecord)
 _pos_dec = msgspec.msgpack.Decoder(tuple[int, int])
@@ -90,6 +97,14 @@ def encode(value: msgspec.Struct | tuple[int, int]) -> bytes:
 
 def decode_block(data: bytes) -> ProjectedBlock:
     return _block_dec.decode(data)
+
+
+def decode_entry(data: bytes) -> RestoredEntry:
+    """A row as the tier entry it restores; ValueError when it is not an array of exactly
+    ProjectedBlock's fields (more would fill the entry's own state)."""
+    if data[:1] != ROW_HEADER:
+        raise ValueError(f"not a projection row of {len(ProjectedBlock.__struct_fields__)} fields")
+    return _entry_dec.decode(data)
 
 
 def decode_layout(data: bytes) -> LayoutRecord:

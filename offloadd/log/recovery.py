@@ -38,8 +38,8 @@ from redis.exceptions import RedisError
 from events.schema import AllBlocksCleared, BlockRemoved, Event
 from offloadd.log.checkpoint_load import restore
 from offloadd.log.metadata import Append, Persisted, RedisUnavailable
-from offloadd.log.projection import Pipe, ProjectedBlock
-from offloadd.tier.index import BlockState, SlotEntry
+from offloadd.log.projection import Pipe
+from offloadd.tier.index import SlotEntry
 from offloadd.tier.source import DAEMON_SOURCE
 from offloadd.tier.store import HostStore
 
@@ -242,27 +242,24 @@ async def _restore_blocks(store: HostStore, persisted: Persisted) -> int:
 
 
 def _slot_entries(
-    rows: dict[bytes, ProjectedBlock], expected: AbstractSet[int], num_slots: int,
+    rows: dict[bytes, SlotEntry], expected: AbstractSet[int], num_slots: int,
     next_generations: Callable[[int], range],
 ) -> tuple[dict[bytes, SlotEntry], set[int], list[bytes]]:
-    """The entries to restore from one layout's projection rows (READY, unverified: bytes are
-    checked after serving starts, Integrity.verify_restored, and before any Lookup or
-    ReadBlocks returns the block), their wire hashes, and the rows refused: a block the log does
-    not hold, a slot out of range, a slot an earlier row already claims. Checked for all rows at
-    once, each step a C loop (map, set); only a layout with a refused row is walked row by row."""
+    """The entries to restore from one layout's projection rows (decoded as entries, READY and
+    unverified: bytes are checked after serving starts, Integrity.verify_restored, and before
+    any Lookup or ReadBlocks returns the block), each given its generation, their wire hashes,
+    and the rows refused: a block the log does not hold, a slot out of range, a slot an earlier
+    row already claims. Checked for all rows at once, each step a C loop (map, set); only a
+    layout with a refused row is walked row by row."""
     wires = set(map(int.from_bytes, map(_WIRE_BYTES, rows)))  # events.hashing.to_wire
     slots = list(map(_SLOT, rows.values()))
     is_clean = (not slots or (min(slots) >= 0 and max(slots) < num_slots)) and (
         len(set(slots)) == len(slots) and len(wires) == len(rows) and expected >= wires)
     if not is_clean:  # rare (a crash between the log and the projection): row by row
         return _slot_entries_checked(rows, expected, num_slots, next_generations)
-    ready = BlockState.READY
-    entries = {
-        digest: SlotEntry(pb.slot, ready, pb.parent, pb.token_ids, pb.extra_keys, pb.lora_name,
-                          "", pb.checksum, 0, False, generation)
-        for (digest, pb), generation in zip(rows.items(), next_generations(len(rows)), strict=True)
-    }
-    return entries, wires, []
+    for entry, generation in zip(rows.values(), next_generations(len(rows)), strict=True):
+        entry.generation = generation
+    return rows, wires, []
 
 
 _WIRE_BYTES = itemgetter(slice(-8, None))  # a wire hash is a digest's last 8 bytes, big-endian
@@ -270,7 +267,7 @@ _SLOT = attrgetter("slot")
 
 
 def _slot_entries_checked(
-    rows: dict[bytes, ProjectedBlock], expected: AbstractSet[int], num_slots: int,
+    rows: dict[bytes, SlotEntry], expected: AbstractSet[int], num_slots: int,
     next_generations: Callable[[int], range],
 ) -> tuple[dict[bytes, SlotEntry], set[int], list[bytes]]:
     """:func:`_slot_entries`, one row at a time."""
@@ -278,16 +275,14 @@ def _slot_entries_checked(
     wires: set[int] = set()
     refused: list[bytes] = []
     used: set[int] = set()
-    for digest, pb in rows.items():
+    for digest, entry in rows.items():
         wire = int.from_bytes(digest[-8:], "big")
-        slot = pb.slot
+        slot = entry.slot
         if wire not in expected or slot in used or not 0 <= slot < num_slots:
             refused.append(digest)
             continue
-        entries[digest] = SlotEntry(
-            slot, BlockState.READY, pb.parent, pb.token_ids, pb.extra_keys, pb.lora_name,
-            "", pb.checksum, 0, False, next_generations(1)[0],
-        )
+        entry.generation = next_generations(1)[0]
+        entries[digest] = entry
         wires.add(wire)
         used.add(slot)
     return entries, wires, refused

@@ -41,20 +41,32 @@ class BlockState(enum.Enum):
 
 class SlotEntry(msgspec.Struct, gc=False):
     """One block of the tier. A msgspec struct, not a dataclass: recovery makes 100k of them
-    (built in C, ~3x faster), and ``gc=False`` keeps them out of the collector's view (its
-    fields are bytes, str, ints and a tuple of ints: it can be in no reference cycle)."""
+    (decoded in C straight from the projection's rows, RestoredEntry), and ``gc=False`` keeps
+    them out of the collector's view (its fields are bytes, str, ints and a tuple of ints: it
+    can be in no reference cycle). Its first seven fields are a projection row's
+    (offloadd.log.projection.ProjectedBlock), in the row's order."""
 
     slot: int
-    state: BlockState
+    group_idx: int
+    checksum: int  # xxh3-64 of the block's bytes; 0 until committed
     parent: bytes | None
     token_ids: tuple[int, ...]
     extra_keys: bytes  # canonical CBOR as the engine sent it; b"" for none
     lora_name: str | None
+    state: BlockState = BlockState.READY
     owner: str = ""  # the reservation id while RESERVED
-    checksum: int = 0
     pins: int = 0
     verified: bool = True  # False after a restart until its bytes were checked against checksum
     generation: int = 0  # this assignment of the slot (HostStore.next_generation); 0: none
+
+
+class RestoredEntry(SlotEntry, array_like=True, gc=False):
+    """A projection row decoded as an entry (offloadd.log.log_reads.read_rows): READY, not
+    verified yet, its generation given by recovery. Only a row of exactly the seven projection
+    fields may be decoded as one (read_rows checks each row's msgpack header): a longer array
+    would fill the fields after them."""
+
+    verified: bool = False
 
 
 class LayoutIndex:

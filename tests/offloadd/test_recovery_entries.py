@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from offloadd.log.projection import ProjectedBlock
+from offloadd.log.projection import ProjectedBlock, decode_entry, encode
 from offloadd.log.recovery import _slot_entries, _slot_entries_checked
-from offloadd.tier.index import BlockState
+from offloadd.tier.index import BlockState, SlotEntry
 
 
 def _digest(i: int) -> bytes:
@@ -26,8 +26,9 @@ def _generations(after: int = 0) -> Callable[[int], range]:
     return take
 
 
-def _row(slot: int) -> ProjectedBlock:
-    return ProjectedBlock(slot, 0, 1000 + slot, None, (slot, slot + 1), b"", None)
+def _row(slot: int) -> SlotEntry:
+    """A projection row as recovery reads it (offloadd.log.log_reads.read_rows)."""
+    return decode_entry(encode(ProjectedBlock(slot, 0, 1000 + slot, None, (slot, slot + 1), b"", None)))
 
 
 def test_clean_projection_restores_every_row_in_bulk() -> None:
@@ -40,7 +41,8 @@ def test_clean_projection_restores_every_row_in_bulk() -> None:
     assert [e.generation for e in entries.values()] == [7, 8, 9, 10, 11]
     first = entries[_digest(1)]
     assert (first.state, first.verified, first.checksum, first.token_ids) == (BlockState.READY, False, 1001, (1, 2))
-    slow, slow_wires, _ = _slot_entries_checked(rows, {1, 2, 3, 4, 5, 99}, 8, take)
+    again = {d: _row(e.slot) for d, e in rows.items()}  # the bulk path gave its rows generations
+    slow, slow_wires, _ = _slot_entries_checked(again, {1, 2, 3, 4, 5, 99}, 8, take)
     assert slow_wires == wires
     assert {d: (e.slot, e.checksum, e.parent, e.token_ids) for d, e in slow.items()} == {
         d: (e.slot, e.checksum, e.parent, e.token_ids) for d, e in entries.items()}
@@ -59,6 +61,7 @@ def test_rows_the_log_cannot_place_are_refused() -> None:
     assert set(entries) == {_digest(1), _digest(5)}
     assert wires == {1, 5}
     assert refused == [_digest(2), _digest(3), _digest(4), _digest(6)]
+    assert len({e.generation for e in entries.values()}) == 2 and 0 not in {e.generation for e in entries.values()}
 
 
 def test_empty_projection() -> None:

@@ -34,7 +34,7 @@ def test_config_flags_env_defaults() -> None:
 
 
 def _entry() -> SlotEntry:
-    return SlotEntry(0, BlockState.RESERVED, None, (1,), b"", None)
+    return SlotEntry(0, 0, 0, None, (1,), b"", None, BlockState.RESERVED)
 
 
 def test_index_transitions() -> None:
@@ -64,7 +64,7 @@ def test_restored_index_works_out_free_slots_on_first_use() -> None:
     for first in ("remove", "reserve", "settle"):
         idx = LayoutIndex(LruPolicy())
         idx.grow(6)
-        idx.insert_ready({bytes([s]): SlotEntry(s, BlockState.READY, None, (1,), b"", None, checksum=s)
+        idx.insert_ready({bytes([s]): SlotEntry(s, 0, s, None, (1,), b"", None, BlockState.READY)
                           for s in (1, 3, 4)})
         idx.rebuild_free()
         if first == "remove":
@@ -105,7 +105,7 @@ def test_index_publishes_what_each_slot_serves() -> None:
     for i, gen in enumerate((101, 102, 103)):
         slot = idx.take_free_slot()
         assert slot is not None
-        idx.reserve(bytes([i]), slot, SlotEntry(0, BlockState.RESERVED, None, (1,), b"", None, generation=gen))
+        idx.reserve(bytes([i]), slot, SlotEntry(0, 0, 0, None, (1,), b"", None, BlockState.RESERVED, generation=gen))
     assert table == [0, 0, 0, -1]  # cleared before a writer may touch the slot
     idx.commit(b"\x00", 1)
     idx.commit(b"\x01", 2)
@@ -119,18 +119,18 @@ def test_index_publishes_what_each_slot_serves() -> None:
     idx.remove(b"\x01")
     assert table[1] == 0
     # A restored block is published only once its bytes were checked.
-    restored = SlotEntry(3, BlockState.READY, None, (1,), b"", None, generation=104, verified=False)
+    restored = SlotEntry(3, 0, 0, None, (1,), b"", None, BlockState.READY, generation=104, verified=False)
     idx.insert_ready({b"\x03": restored})
     assert table[3] == 0
     idx.mark_verified(b"\x03")
     assert table[3] == 104
     idx.remove(b"\x03")
-    verified = SlotEntry(3, BlockState.READY, None, (1,), b"", None, generation=105)
+    verified = SlotEntry(3, 0, 0, None, (1,), b"", None, BlockState.READY, generation=105)
     idx.insert_ready({b"\x04": verified})
     assert table[3] == 105
     idx.mark_evicting(b"\x04")
     idx.remove(b"\x04")
-    two = {bytes([5 + i]): SlotEntry(2 + i, BlockState.READY, None, (1,), b"", None,
+    two = {bytes([5 + i]): SlotEntry(2 + i, 0, 0, None, (1,), b"", None, BlockState.READY,
                                      generation=106 + i, verified=False) for i in range(2)}
     idx.insert_ready(two)
     assert table[2:] == [0, 0]
