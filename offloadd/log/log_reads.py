@@ -215,7 +215,7 @@ class LogReads:
         arrived); beyond, paged so that no reply is large enough to hit the timeout, the next
         page asked for before this one is decoded. ``num_rows``: HLEN, when the caller has it."""
         if (await self.client.hlen(key) if num_rows is None else num_rows) <= whole_rows:
-            return self._decode_entries(key, await self.client.hgetall(key))
+            return self._decode_rows(key, await self.client.hgetall(key))
         rows: dict[bytes, SlotEntry] = {}
         nxt = asyncio.ensure_future(self.client.hscan(key, 0, count=page_rows))
         try:
@@ -223,7 +223,7 @@ class LogReads:
                 cursor, page = await nxt
                 if cursor != 0:
                     nxt = asyncio.ensure_future(self.client.hscan(key, cursor, count=page_rows))
-                rows.update(self._decode_entries(key, page))
+                rows.update(self._decode_rows(key, page))
                 if cursor == 0:
                     return rows
         finally:  # a page that failed to decode leaves the next one in flight
@@ -248,13 +248,13 @@ class LogReads:
                 raise ForeignData(f"WRONGTYPE: key {key} is a {kind.decode()}, expected a "
                                   f"{expected}; {self.repair_hint()}")
 
-    def _decode_entries(self, key: str, rows: dict[bytes, bytes]) -> dict[bytes, SlotEntry]:
+    def _decode_rows(self, key: str, rows: dict[bytes, bytes]) -> dict[bytes, SlotEntry]:
         """:meth:`_decode_all` of projection rows as entries: when every row starts as one of
         exactly the projection's fields, all of them in C; else (or when one does not decode)
         row by row, naming the first bad one."""
         if set(map(_FIRST_BYTE, rows.values())) <= {projection.ROW_HEADER}:
             try:
-                return dict(zip(rows, map(projection.decode_entries, rows.values()), strict=True))
+                return dict(zip(rows, map(projection.decode_entry_unchecked, rows.values()), strict=True))
             except (msgspec.DecodeError, ValueError):
                 pass
         return self._decode_all(key, rows, projection.decode_entry, text=False)
