@@ -249,9 +249,9 @@ class LogReads:
                                   f"{expected}; {self.repair_hint()}")
 
     def _decode_rows(self, key: str, rows: dict[bytes, bytes]) -> dict[bytes, SlotEntry]:
-        """:meth:`_decode_all` of projection rows as entries: when every row starts as one of
-        exactly the projection's fields, all of them in C; else (or when one does not decode)
-        row by row, naming the first bad one."""
+        """:meth:`_decode_all` of projection rows as entries: all in C when every row begins
+        as an array of exactly the projection's fields; else (or when one does not decode) row
+        by row, naming the first bad one."""
         if set(map(_FIRST_BYTE, rows.values())) <= {projection.ROW_HEADER}:
             try:
                 return dict(zip(rows, map(projection.decode_entry_unchecked, rows.values()), strict=True))
