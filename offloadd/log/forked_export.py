@@ -11,14 +11,14 @@ a tier that never changed otherwise than by appends is read when its turn comes,
 a time, as long as it still has not (DECISIONS 74: TierMoved gives the export up otherwise).
 Many (the first export after a start, a tier cleared, removals all over a tier) go to a forked
 child: ``fork()`` gives it an exact copy of the state at this instant (copy-on-write: the parent
-keeps applying records at once); the child cuts it, encodes the chunks whose segments are not in ``known``, and streams
-one frame per chunk through a pipe, ``[kind, address, fingerprint, length, end, number of
-keys]``, the segment's block hashes (8 bytes each: the parent maps them to the segment,
-events.checkpoint_book), then the bytes unless Redis holds them already (``present``), ended by
-a done frame; then it exits with ``os._exit`` (no atexit, no finalizers, no asyncio, no gRPC in the
-child). The parent only reads frames and writes new chunks to Redis. A child that dies or
-writes a torn stream fails the checkpoint (the previous one stays in force). Without
-``os.fork`` every export runs in the loop.
+keeps applying records at once); the child cuts it, encodes the chunks whose segments are not in
+``known``, and streams one frame per chunk through a pipe, ``[kind, address, fingerprint,
+length, end, number of keys]``, the segment's block hashes (8 bytes each: the parent maps them
+to the segment, events.checkpoint_book), then the bytes unless Redis holds them already
+(``present``), ended by a done frame; then it exits with ``os._exit`` (no atexit, no finalizers,
+no asyncio, no gRPC in the child). The parent only reads frames and writes new chunks to Redis.
+A child that dies or writes a torn stream fails the checkpoint (the previous one stays in
+force). Without ``os.fork`` every export runs in the loop.
 
 The child must run nothing of the parent's but this module's loop: gRPC core's fork handlers
 are off in the daemon's process (set in ``offloadd/__init__`` before grpc loads; on, they

@@ -249,15 +249,12 @@ class LogReads:
                                   f"{expected}; {self.repair_hint()}")
 
     def _decode_rows(self, key: str, rows: dict[bytes, bytes]) -> dict[bytes, SlotEntry]:
-        """:meth:`_decode_all` of projection rows as entries: all in C when every row begins
-        as an array of exactly the projection's fields; else (or when one does not decode) row
-        by row, naming the first bad one."""
-        if set(map(_FIRST_BYTE, rows.values())) <= {projection.ROW_HEADER}:
-            try:
-                return dict(zip(rows, map(projection.decode_entry_unchecked, rows.values()), strict=True))
-            except (msgspec.DecodeError, ValueError):
-                pass
-        return self._decode_all(key, rows, projection.decode_entry, text=False)
+        """:meth:`_decode_all` of projection rows as entries: each row's header checked for all
+        of them at once, so that the rows are decoded in C when every one begins as an array of
+        exactly the projection's fields; else each is checked as it is decoded."""
+        clean = set(map(_FIRST_BYTE, rows.values())) <= {projection.ROW_HEADER}
+        decode = projection.decode_entry_unchecked if clean else projection.decode_entry
+        return self._decode_all(key, rows, decode, text=False)
 
     def _decode_all(
         self, key: str, rows: dict[bytes, bytes], decode: Callable[[bytes], Any], text: bool = True,

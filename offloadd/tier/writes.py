@@ -95,8 +95,9 @@ class StoreWriter:
                 res = self.store.new_reservation(engine_id, layout, lora_name, ms)
             generations[-1] = self.store.source.next_generation()
             index.reserve(b.block_hash, slot, SlotEntry(
-                slot, layout.record.group_idx, 0, b.parent_block_hash, tuple(b.token_ids),
-                b.extra_keys, lora_name, BlockState.RESERVED, owner=res.reservation_id,
+                slot=slot, group_idx=layout.record.group_idx, checksum=0,
+                parent=b.parent_block_hash, token_ids=tuple(b.token_ids), extra_keys=b.extra_keys,
+                lora_name=lora_name, state=BlockState.RESERVED, owner=res.reservation_id,
                 generation=generations[-1],
             ))
             res.digests.append(b.block_hash)
