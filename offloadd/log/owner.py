@@ -8,7 +8,8 @@ write of the log checks the owner value on the Redis side in the same script tha
 (offloadd.log.metadata), so a daemon that lost the lease cannot write.
 
 A held lease is waited out only when its holder is provably gone: a process on this very host
-and pid namespace that no longer runs (a kill -9 restart need not wait for the TTL). A holder
+and pid namespace that no longer runs, or is a zombie (a kill -9 restart need not wait for the
+TTL). A holder
 that keeps renewing is a live daemon: the newcomer refuses to start.
 """
 
@@ -62,8 +63,23 @@ def _process_mark(pid: int) -> str:
     except OSError:
         pidns = "?"
     start = _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()
-    started = start[19] if len(start) > 19 else "?"
+    started = start[19] if len(start) > 19 and not _is_dead(pid) else "?"
     return f"{_read('/proc/sys/kernel/random/boot_id')}/{pidns}/{pid}/{started}"
+
+
+def _is_dead(pid: int) -> bool:
+    """Every thread of ``pid`` has exited: a zombie that its parent has not reaped yet (a kill -9
+    under a parent that does not wait, such as a profiler or a container's init) runs no code,
+    though /proc still shows its start time."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tasks:
+        state = _read(f"/proc/{pid}/task/{tid}/stat").rsplit(")", 1)[-1].split()[:1]
+        if state and state[0] not in ("Z", "X", "?"):  # '?': unreadable, exited meanwhile
+            return False
+    return True
 
 
 def _is_gone(value: str) -> bool:
