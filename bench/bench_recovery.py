@@ -53,6 +53,7 @@ Redis's own default (the next AOF rewrite after ~64 MB of writes, DECISIONS 68).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -123,7 +124,7 @@ def state_now(daemon: DaemonProcess, admin: Any, keys: LogKeys) -> CacheState:
     """The daemon's state (Snapshot RPC) brought up to the log's head after it is killed."""
     with OffloadClient(daemon.target) as client:
         state = CacheState.from_snapshot(client.snapshot())
-    daemon.kill()
+    kill_with_children(daemon)
     for record in LogReader(admin, keys).iter_range(state.offset + 1):
         state.apply(record)
     return state
@@ -329,7 +330,7 @@ def run_recovery(work: Path, sizes: list[int], cpu_blocks: int, profile_dir: str
             print(f"history at {head} records ({write_s:.1f} s to write); restarting", file=sys.stderr)
             for _ in range(restarts):
                 for name, args in trees:
-                    daemon.kill()
+                    kill_with_children(daemon)
                     daemon.args = args
                     row = {"tree": name, "write_s": round(write_s, 1)}
                     try:
@@ -342,10 +343,26 @@ def run_recovery(work: Path, sizes: list[int], cpu_blocks: int, profile_dir: str
                     print(json.dumps(row), file=sys.stderr)
             daemon.args = base_args
     finally:
-        daemon.kill()
+        kill_with_children(daemon)
         admin.close()
         redis_proc.stop()
     return rows
+
+
+def kill_with_children(daemon: DaemonProcess) -> None:
+    """kill -9 the daemon and its children: a profiled restart runs it as py-spy's child, which
+    killing py-spy alone would leave running, holding the namespace's lease."""
+    if daemon.proc is not None:
+        pid = daemon.proc.pid
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in children:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(child), signal.SIGKILL)
+    daemon.kill()
 
 
 def run_cost(work: Path, cpu_blocks: int, rounds: int, rate: float, scale: float,
