@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Iterable
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from offloadd.arena import ArenaGeometry, ArenaMapping, create_chunk_file
-from offloadd.config import ConfigError, load_config
+from offloadd.config import ConfigError, OffloaddConfig, load_config
 from offloadd.slot_generations import GENERATION_BYTES, SlotGenerations, generations_path
 from offloadd.tier.eviction import ArcPolicy, LruPolicy
 from offloadd.tier.index import BlockState, LayoutIndex, SlotEntry
@@ -31,6 +32,24 @@ def test_config_flags_env_defaults() -> None:
     ):
         with pytest.raises(ConfigError, match=msg):
             load_config(argv, env)
+
+
+def test_help_tells_every_flag_its_docstring(capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attribute docstrings are read only when help is shown (not at every start), and then
+    once per flag: each flag's help is its docstring, its variable and its default."""
+    monkeypatch.setenv("COLUMNS", "400")  # no long word broken across lines
+    with pytest.raises(SystemExit) as done:
+        load_config(["--help"], {})
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for field in dataclasses.fields(OffloaddConfig):
+        flag = "--" + field.name.replace("_", "-")
+        start = text.index(f"{flag} {field.name.upper()} ") + len(flag) + len(field.name) + 2
+        help_text = text[start:text.index(f"(env KVD_{field.name.upper()}; default ", start)].strip()
+        assert help_text, f"{flag} has no docstring in OffloaddConfig"
+        assert "(env KVD_" not in help_text, (flag, help_text)  # its own docstring, once
+    assert "Interface for the TCP gRPC listener. (env KVD_GRPC_HOST; default '[::]')" in text
 
 
 def _entry() -> SlotEntry:
