@@ -139,12 +139,16 @@ class Checkpointer:
         cfg = self.config
         last = time.monotonic()
         await self._quietly(self.prime())
-        await asyncio.to_thread(preload)  # off the loop, before the first cut (DECISIONS 74)
+        preloaded = False
         while True:
             await asyncio.sleep(min(1.0, cfg.checkpoint_interval_s))
             behind = self.md.state.offset - self.stats.offset
             is_time = time.monotonic() - last >= cfg.checkpoint_interval_s
             if behind >= cfg.checkpoint_records or (behind > 0 and is_time):
+                if not preloaded:  # off the loop, before the first cut (DECISIONS 74), and not
+                    # right after SERVING, when a restart's clients come back (DECISIONS 79)
+                    await asyncio.to_thread(preload)
+                    preloaded = True
                 last = time.monotonic()
                 await self._quietly(self.write())
             if is_time or behind >= cfg.checkpoint_records:

@@ -80,9 +80,10 @@ class Integrity:
     async def verify_restored(self, batch: int = 2048) -> tuple[int, int]:
         """Background check of blocks restored at start and not yet looked up; returns
         (verified, failed). Yields to the loop between batches so serving goes on. First, what
-        the restore left to first use (LayoutIndex.settle), so no request waits for it."""
-        for layout in self._layouts.by_id.values():
-            layout.index.settle()
+        the restore left to first use (LayoutIndex.settle_steps), so no request waits for it."""
+        for layout in list(self._layouts.by_id.values()):
+            for _ in layout.index.settle_steps():
+                await asyncio.sleep(0)
         ok = failed = 0
         while self._unverified:
             matched: dict[int, list[bytes]] = {}  # published per layout with one write

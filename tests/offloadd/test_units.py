@@ -56,6 +56,59 @@ def _entry() -> SlotEntry:
     return SlotEntry(0, 0, 0, None, (1,), b"", None, BlockState.RESERVED)
 
 
+def _restored(num_slots: int, held: Iterable[int]) -> LayoutIndex:
+    idx = LayoutIndex(LruPolicy())
+    idx.grow(num_slots)
+    idx.insert_ready({s.to_bytes(2, "big"): SlotEntry(s, 0, s, None, (1,), b"", None, BlockState.READY)
+                      for s in held})
+    idx.rebuild_free()
+    return idx
+
+
+def test_settle_in_steps_makes_what_settle_makes() -> None:
+    held = [1, 3, 4, 9, 10, 17, 18, 19]
+    whole = _restored(23, held)
+    whole.settle()
+    free = list(whole.free)
+    order = whole.choose_victims(100)
+    assert order == sorted(order) and len(order) == len(held)  # restored: all evictable, in order
+    for step in (1, 2, 3, 7, 100):
+        idx = _restored(23, held)
+        steps = sum(1 for _ in idx.settle_steps(step))
+        assert steps >= 23 // step  # the free list alone takes one step per `step` slots
+        assert idx.free == free and idx.free[-1] == 0  # lowest slot popped first
+        assert idx.choose_victims(100) == order  # the same eviction order
+
+
+def test_settle_steps_give_way_to_a_request_that_needs_the_free_list() -> None:
+    """A request between two steps works the free list out itself; the steps then stop and
+    leave its list (with the slot it freed or took) as it is: no slot held twice or lost."""
+    for request in ("remove", "reserve", "restore again"):
+        for after in range(1, 8):
+            idx = _restored(12, [1, 3, 4, 8])
+            steps = idx.settle_steps(2)
+            for _ in range(after):
+                next(steps, None)
+            if request == "remove":
+                idx.mark_evicting((3).to_bytes(2, "big"))
+                idx.remove((3).to_bytes(2, "big"))
+                want = [11, 10, 9, 7, 6, 5, 3, 2, 0]
+            elif request == "reserve":
+                slot = idx.take_free_slot()
+                assert slot == 0
+                idx.reserve(b"new", slot, _entry())
+                want = [11, 10, 9, 7, 6, 5, 2]
+            else:  # a later restore: what the steps gathered is stale
+                idx.insert_ready({b"late": SlotEntry(6, 0, 6, None, (1,), b"", None, BlockState.READY)})
+                idx.rebuild_free()
+                want = [11, 10, 9, 7, 5, 2, 0]
+            for _ in steps:
+                pass
+            assert sorted(idx.free, reverse=True) == want, (request, after)
+            assert not set(idx.free) & {e.slot for e in idx.entries.values()}
+            assert len(set(idx.free)) == len(idx.free)
+
+
 def test_index_transitions() -> None:
     idx = LayoutIndex(LruPolicy())
     idx.grow(3)
