@@ -245,6 +245,7 @@ def restart_once(daemon: DaemonProcess, admin: Any, keys: LogKeys, head: int,
         py_spy = str(Path(sys.executable).with_name("py-spy"))
         daemon.args = [py_spy, "record", "--format", "raw", "--rate", "250", "--duration", "8", "-o",
                        str(Path(profile_dir) / f"restart_{head}_{int(time.time())}.txt"), "--", *args]
+    persisting = redis_persisting(admin)  # a rewrite the history's writes set off takes a core
     t0, exec_wall = time.perf_counter(), time.time()
     daemon.poll_s = 0.005  # SERVING seen within ~5 ms of it (the default 50 ms is a tenth of a start)
     try:
@@ -260,6 +261,7 @@ def restart_once(daemon: DaemonProcess, admin: Any, keys: LogKeys, head: int,
         resident = client.stats()
     row: dict[str, Any] = {"history_records": head,
            "exec_to_serving_s": round(to_serving, 3),
+           "redis_persisting_at_exec": persisting or None,
            "cpu_to_serving_s": cpu_s,
            "main_runq_s": runq_s,  # the event loop's wait for a CPU before SERVING was seen
            "recovery_s": report.get("seconds"),
@@ -277,6 +279,14 @@ def restart_once(daemon: DaemonProcess, admin: Any, keys: LogKeys, head: int,
     if profile_dir:
         time.sleep(max(0.0, 9 - (time.perf_counter() - t0)))  # py-spy writes at 8 s
     return row
+
+
+def redis_persisting(admin: Any) -> str:
+    """What Redis is writing in the background now ('aof-rewrite', 'rdb-save'; '' for nothing)."""
+    info = admin.info("persistence")
+    busy = [name for name, key in (("aof-rewrite", "aof_rewrite_in_progress"),
+                                   ("rdb-save", "rdb_bgsave_in_progress")) if int(info.get(key, 0))]
+    return "+".join(busy)
 
 
 def process_cpu_s(pid: int) -> float | None:
@@ -458,7 +468,8 @@ def main() -> int:
             continue
         print(f"{row['tree']:>6} {row['history_records']:>10} records: SERVING {row['exec_to_serving_s']:.2f} s after "
               f"exec ({row['cpu_to_serving_s']} s of CPU, {row['main_runq_s']} s waiting for one; recovery {row['recovery_s']:.2f} s, tail {row['tail_records']}, "
-              f"outside recovery {row['outside_recovery_s']} s), used_memory "
+              f"outside recovery {row['outside_recovery_s']} s"
+              f"{'; Redis: ' + row['redis_persisting_at_exec'] if row.get('redis_persisting_at_exec') else ''}), used_memory "
               f"{row['used_memory'] / 2**20:.1f} MiB (goal {row['memory_goal_bytes'] / 2**20:.1f} MiB)")
     if "checkpoint_cost" in result:
         c = result["checkpoint_cost"]
