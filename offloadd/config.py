@@ -115,8 +115,8 @@ class OffloaddConfig:
     max_id_bytes: int = DEFAULT_MAX_ID_BYTES
     """Longest engine id, model namespace, dtype or layout name (UTF-8 bytes) accepted."""
     hash_algo: HashAlgo = "sha256_cbor"
-    """Block hash of this namespace (sha256_cbor or xxh3_128_cbor), as vLLM's
-    --prefix-caching-hash-algo; engines must use the same."""
+    """Block hash of this namespace (sha256_cbor or xxh3_128_cbor); engines must hash with the
+    same one (RegisterEngine answers it)."""
     grace_s: float = 5.0
     """SIGTERM: seconds in-flight unary RPCs get before the server stops (streams end first)."""
     engine_lease_s: float = 10.0
