@@ -10,6 +10,7 @@ from typing import Literal
 from bridge.errors import BridgeConfigError
 from events.logkeys import LogKeys
 from rpc import redis_connect
+from rpc.logs import LOG_LEVELS, log_level
 
 Layout = Literal["map", "legacy"]
 StartAt = Literal["resume", "head", "beginning"]
@@ -159,7 +160,8 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default=e("METRICS_HOST", d.metrics_host))
     p.add_argument("--max-pending", type=int, default=n("MAX_PENDING", d.max_pending),
                    help="records published before their apply to the state must catch up")
-    p.add_argument("--log-level", default=e("LOG_LEVEL", d.log_level))
+    p.add_argument("--log-level", type=log_level, default=e("LOG_LEVEL", d.log_level),
+                   help=f"one of {', '.join(LOG_LEVELS)}")
     return p
 
 

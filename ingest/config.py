@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ingest.errors import IngestConfigError
+from rpc.logs import LOG_LEVELS, log_level
 from rpc.targets import TargetError, check_grpc_target
 
 MAX_DP = 256
@@ -208,7 +209,8 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                    help="clear a publisher's sources after this long unreachable (default %(default)s)")
     p.add_argument("--max-pending", type=int, default=n("MAX_PENDING", "max_pending", int),
                    help="unacked batches per source before reading waits (default %(default)s)")
-    p.add_argument("--log-level", default=e("LOG_LEVEL", "log_level"))
+    p.add_argument("--log-level", type=log_level, default=e("LOG_LEVEL", "log_level"),
+                   help=f"one of {', '.join(LOG_LEVELS)}")
     return p
 
 

@@ -27,6 +27,7 @@ from offloadd.client.batch_split import DAEMON_MAX_MESSAGE_BYTES
 from offloadd.errors import OffloaddError
 from offloadd.fleet.peers import parse_peers
 from rpc import redis_connect
+from rpc.logs import LOG_LEVELS
 from rpc.tls import SecurityConfigError, check_server_tls
 
 Eviction = Literal["lru", "arc"]
@@ -123,7 +124,7 @@ class OffloaddConfig:
     """An engine whose Publish stream broke (crash) keeps its GPU tier this long without one;
     then it is cleared (AllBlocksCleared). A stream closed cleanly clears it at once."""
     log_level: str = "INFO"
-    """DEBUG, INFO, WARNING or ERROR; logs are JSON lines on stderr."""
+    """DEBUG, INFO, WARNING, ERROR or CRITICAL (any case); logs are JSON lines on stderr."""
     owner_lease_s: float = 5.0
     """Lifetime of the namespace's owner lease (renewed every third of it). A second daemon on
     the namespace is refused while it is held; a daemon paused past it loses the namespace."""
@@ -167,6 +168,8 @@ class OffloaddConfig:
     auth_token_file token); peers name it as name=host:port/namespace@PORT. -1 = off, 0 = any."""
 
     def __post_init__(self) -> None:
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         try:
             LogKeys(self.namespace)
         except ValueError as exc:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from events.hashing import env_hash_seed
 from router.config import POLICIES, EngineSpec, RouterConfig, RouterConfigError, engines_from_file
+from rpc.logs import LOG_LEVELS, log_level
 
 log = logging.getLogger("kv-router")
 
@@ -66,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-attempts", type=int, default=d.max_attempts,
                    help="engines tried per request (another only while no token was sent)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the random policy")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", type=log_level, default="INFO", help=f"one of {', '.join(LOG_LEVELS)}")
     return p
 
 
@@ -87,7 +88,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
         return serve(config)

@@ -7,6 +7,7 @@ before anything prints it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -71,6 +72,18 @@ class JsonFormatter(logging.Formatter):
         for secret in self.secrets:
             line = line.replace(secret, MASK).replace(json.dumps(secret)[1:-1], MASK)
         return line
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """A --log-level value as a level name (any case accepted), for argparse's ``type=``: a
+    bad one is a usage error naming the choices, not a traceback from logging."""
+    level = str(text).strip().upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)} (any case), got {text!r}")
+    return level
 
 
 def setup_logging(level: str, secrets: Sequence[str] = ()) -> None:

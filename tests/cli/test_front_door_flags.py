@@ -69,6 +69,20 @@ def test_tls_files_that_are_not_pem(tmp_path: Path, model: Path) -> None:
     assert "Traceback" not in engine.stderr + daemon.stderr
 
 
+@pytest.mark.parametrize("module, prog", [(["offloadd"], "offloadd: log_level: "),
+                                          (["bridge.main"], "kv-bridge: error: argument --log-level: "),
+                                          (["ingest", "--vllm", "a=tcp://127.0.0.1:5557"],
+                                           "kv-ingest: error: argument --log-level: "),
+                                          (["router.main"], "kv-router: error: argument --log-level: ")])
+def test_a_bad_log_level_is_one_line_not_a_traceback(module: list[str], prog: str) -> None:
+    """logging.basicConfig / setLevel raised ValueError("Unknown level: 'BOGUS'") at start."""
+    out = _run(*module, "--log-level", "bogus", "--metrics-port", "-1")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert lines[-1].startswith(prog + "must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL"), lines
+    assert lines[-1].endswith("got 'bogus'"), lines
+
+
 @pytest.mark.parametrize("flag", ["--num-heads", "--num-kv-heads", "--hidden-size", "--num-layers"])
 def test_make_tiny_model_refuses_zero_sizes(tmp_path: Path, flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert engine_main(["make-tiny-model", str(tmp_path / "m"), flag, "0"]) == 2
