@@ -17,6 +17,7 @@ import dataclasses
 import grp
 import inspect
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -273,11 +274,29 @@ def _parse_mode(text: str) -> int:
     return int(text, 8)
 
 
+def _parse_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"not an integer: {text!r}") from None
+
+
+def _parse_float(text: str) -> float:
+    """A finite number: ``nan`` passed every ``<= 0`` check below and ``inf`` made timers never fire."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"not a finite number: {text!r}")
+    return value
+
+
 def _field_parser(field: dataclasses.Field[object]) -> type | object:
     if field.name in ("file_mode", "unix_socket_mode"):
         return _parse_mode
     kind = type(field.default)
-    return _parse_bool if kind is bool else kind
+    return {bool: _parse_bool, int: _parse_int, float: _parse_float}.get(kind, kind)
 
 
 def _field_docs() -> dict[str, str]:

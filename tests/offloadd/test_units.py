@@ -29,6 +29,11 @@ def test_config_flags_env_defaults() -> None:
         ([], {"KVD_LEASE_MS": "0"}, "lease_ms"),
         ([], {"KVD_VERIFY_ON_LOAD": "maybe"}, "verify_on_load"),
         ([], {"KVD_HASH_ALGO": "md5"}, "hash_algo"),
+        # nan passed every "<= 0" check and inf made a timer never fire; a number names itself
+        (["--checkpoint-interval-s", "nan"], {}, r"^checkpoint_interval_s: not a finite number: 'nan'$"),
+        ([], {"KVD_OWNER_LEASE_S": "inf"}, r"^owner_lease_s: not a finite number: 'inf'$"),
+        (["--grace-s", "soon"], {}, r"^grace_s: not a number: 'soon'$"),
+        (["--capacity-bytes", "1e9"], {}, r"^capacity_bytes: not an integer: '1e9'$"),
     ):
         with pytest.raises(ConfigError, match=msg):
             load_config(argv, env)
