@@ -86,6 +86,8 @@ class BridgeConfig:
                             ("--max-pending", self.max_pending)):
             if value < 0:
                 raise BridgeConfigError(f"{flag} must be >= 0, got {value}")
+        if self.metrics_port > 65535:
+            raise BridgeConfigError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.read_chunk < 1 or self.replay_chunk < 1:
             raise BridgeConfigError("chunk sizes must be >= 1")
 

@@ -73,10 +73,14 @@ class IngestConfig:
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise IngestConfigError(f"source names must be unique, repeated: {', '.join(sorted(dup))}")
-        if min(self.replay_timeout_s, self.idle_sync_s, self.publisher_lease_s) <= 0:
-            raise IngestConfigError("replay_timeout_s, idle_sync_s and publisher_lease_s must be > 0")
-        if self.max_pending < 1 or not 0 <= self.metrics_port < 65536:
-            raise IngestConfigError("max_pending must be >= 1 and metrics_port in [0, 65535]")
+        for flag, seconds in (("--replay-timeout-s", self.replay_timeout_s), ("--idle-sync-s", self.idle_sync_s),
+                              ("--publisher-lease-s", self.publisher_lease_s)):
+            if not seconds > 0:  # NaN too
+                raise IngestConfigError(f"{flag} must be > 0, got {seconds}")
+        if self.max_pending < 1:
+            raise IngestConfigError(f"--max-pending must be >= 1, got {self.max_pending}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise IngestConfigError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         try:
             check_grpc_target(self.offloadd, "--offloadd")
         except TargetError as exc:

@@ -3,6 +3,7 @@ file of engines) at the entry point."""
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,8 +132,8 @@ class RouterConfig:
             if not getattr(self, name) > 0:
                 raise RouterConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("gpu_weight", "cpu_weight", "load_weight"):
-            if getattr(self, name) < 0:
-                raise RouterConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) < math.inf:  # a nan weight made every score nan
+                raise RouterConfigError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.model_dir and not Path(self.model_dir).is_dir():
             raise RouterConfigError(f"model directory {self.model_dir!r} does not exist")
         if not self.served_model_name:

@@ -123,6 +123,9 @@ def test_config_from_flags_and_env() -> None:
         config_from_args([], {"KVB_HWM": "abc"})
     with pytest.raises(BridgeConfigError, match=r"^--max-pending must be >= 0, got -2$"):
         config_from_args(["--max-pending", "-2"], {})
+    # a port past 65535 was an OverflowError traceback from the HTTP server's bind
+    with pytest.raises(BridgeConfigError, match=r"^--metrics-port must be in 0..65535, got 99999$"):
+        config_from_args(["--metrics-port", "99999"], {})
 
 
 def test_config_of_vllm_compatibility_options() -> None:

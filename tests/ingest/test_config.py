@@ -68,6 +68,14 @@ def test_cli_help_and_errors_without_traceback(tmp_path: Path) -> None:
         done = _cli(*args)
         assert done.returncode == 2, done.stderr
         assert message in done.stderr and "Traceback" not in done.stderr
+    # each bad number names its flag and value (was one message naming three or two settings)
+    for flag, value, message in [("--metrics-port", "99999", "must be in 0..65535, got 99999"),
+                                 ("--max-pending", "0", "must be >= 1, got 0"),
+                                 ("--idle-sync-s", "0", "must be > 0, got 0.0"),
+                                 ("--publisher-lease-s", "nan", "must be > 0, got nan"),
+                                 ("--replay-timeout-s", "-1", "must be > 0, got -1.0")]:
+        with pytest.raises(IngestConfigError, match=f"^{flag} {message}$"):
+            config_from_args(["--vllm", "a=tcp://h:1", flag, value], {})
     for var, value, kind in [("KVI_MAX_PENDING", "x", "an integer"), ("KVI_IDLE_SYNC_S", "soon", "a number")]:
         with pytest.raises(IngestConfigError, match=f"^bad environment value: {var}='{value}' is not {kind}$"):
             config_from_args(["--vllm", "a=tcp://h:1"], {var: value})

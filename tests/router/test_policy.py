@@ -4,6 +4,7 @@ the KV-aware score against load, the plain policies, prediction outcomes, and co
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,9 @@ def test_config_errors(tmp_path: Path) -> None:
         RouterConfig(engines=(spec, spec))
     with pytest.raises(RouterConfigError, match="both"):
         RouterConfig(engines=(spec,), bridge_pub="tcp://h:1")
+    for weight in (-1.0, math.nan, math.inf):  # a nan weight made every score nan, routing at random
+        with pytest.raises(RouterConfigError, match=f"^load_weight must be a finite number >= 0, got {weight}$"):
+            RouterConfig(engines=(spec,), load_weight=weight)
     path = tmp_path / "engines.toml"
     path.write_text('[[engines]]\nname = "a"\nurl = "http://h:3"\nnode = "n1"\n')
     assert engines_from_file(str(path))[0].node_source == "n1"
