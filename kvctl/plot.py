@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any
 
 from events.schema import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored
+from kvctl.args import seconds
 from kvctl.errors import KvctlError
 from kvctl.logsource import add_source_args, open_log
 
@@ -21,14 +22,12 @@ def register(subparsers: Any) -> None:
     )
     add_source_args(p)
     p.add_argument("--out", "-o", required=True, metavar="PNG")
-    p.add_argument("--bin-s", type=float, default=1.0, help="event-rate bin width (seconds)")
+    p.add_argument("--bin-s", type=seconds, default=1.0, help="event-rate bin width (seconds)")
     p.add_argument("--title", default="kvoffload cache state")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.bin_s <= 0:
-        raise KvctlError(f"--bin-s must be > 0, got {args.bin_s}")
     try:
         import matplotlib
 

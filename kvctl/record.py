@@ -20,6 +20,7 @@ from events.codec_vllm import WireBatch
 from events.schema import LogRecord
 from events.subscriber import KvEventSubscriber, SubscriberError
 from kvctl import archiver
+from kvctl.args import seconds
 from kvctl.errors import KvctlError
 
 
@@ -29,9 +30,9 @@ def add_stream_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topic", default="kv-events", help="topic (exact match)")
     p.add_argument("--from-seq", type=int, metavar="N", help="replay from seq N first, then follow")
     p.add_argument("--count", type=int, metavar="N", help="stop after N batches")
-    p.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
+    p.add_argument("--duration", type=seconds, metavar="S", help="stop after S seconds")
     p.add_argument("--source-name", help="source for events without a source key (default: topic)")
-    p.add_argument("--timeout-s", type=float, default=5.0, help="replay reply timeout (seconds)")
+    p.add_argument("--timeout-s", type=seconds, default=5.0, help="replay reply timeout (seconds)")
 
 
 def register(subparsers: Any) -> None:

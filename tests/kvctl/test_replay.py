@@ -126,6 +126,23 @@ def test_user_errors_are_one_line_without_traceback(
         assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["plot", "--bin-s", "nan"], "argument --bin-s: must be > 0 seconds and finite, got 'nan'"),
+    (["plot", "--bin-s", "0"], "argument --bin-s: must be > 0 seconds and finite, got '0'"),
+    (["record", "--duration", "inf"], "argument --duration: must be > 0 seconds and finite, got 'inf'"),
+    (["tail", "--timeout-s", "soon"], "argument --timeout-s: not a number of seconds: 'soon'"),
+])
+def test_a_bad_duration_is_a_usage_error(
+    argv: list[str], message: str, log_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """nan passed plot's "<= 0" check and died in int(nan) with a traceback; inf never ends."""
+    with pytest.raises(SystemExit) as done:
+        kvctl([*argv, str(log_file), "--out", str(tmp_path / "out")])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"error: {message}\n") and "Traceback" not in err, err
+
+
 def test_corrupt_file_names_the_line(tmp_path: Path, log_file: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     lines = log_file.read_text().splitlines()
