@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -187,6 +188,14 @@ def _serve(a: argparse.Namespace) -> int:
     from rpc.targets import check_grpc_target
     from rpc.tls import ClientSecurity, check_server_tls, read_token, server_credentials
 
+    # Numbers first: a port past 65535 was an OverflowError traceback from the metrics server,
+    # after the model had loaded and Generate was serving.
+    for flag, port, lowest in (("--port", a.port, 0), ("--metrics-port", a.metrics_port, -1),
+                               ("--http-port", a.http_port, -1)):
+        if not lowest <= port <= 65535:
+            raise ValueError(f"{flag} must be in {lowest}..65535, got {port}")
+    if not 0 <= a.shutdown_grace_s < math.inf:
+        raise ValueError(f"--shutdown-grace-s must be >= 0 and finite, got {a.shutdown_grace_s}")
     if a.offloadd:  # a typo would be retried forever as an offloadd that is down
         check_grpc_target(a.offloadd, "--offloadd")
     # Files first: a bad one is refused before the model and torch load.
@@ -200,8 +209,6 @@ def _serve(a: argparse.Namespace) -> int:
     from engine.server import create_server
     from engine.shutdown import SERVER_MARGIN_S, Serving
 
-    if not a.shutdown_grace_s >= 0:
-        raise ValueError(f"--shutdown-grace-s must be >= 0, got {a.shutdown_grace_s}")
     cfg = _engine_config(a)
     sink = None
     if a.offloadd:

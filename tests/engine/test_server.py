@@ -161,6 +161,22 @@ def test_cli_errors_have_no_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--port", "70000", "--port must be in 0..65535, got 70000"),
+    ("--metrics-port", "99999", "--metrics-port must be in -1..65535, got 99999"),
+    ("--http-port", "-2", "--http-port must be in -1..65535, got -2"),
+    ("--shutdown-grace-s", "inf", "--shutdown-grace-s must be >= 0 and finite, got inf"),
+])
+def test_cli_bad_numbers_are_refused_before_the_model_loads(flag: str, value: str, message: str) -> None:
+    """A metrics port past 65535 was an OverflowError traceback once the model had loaded and
+    Generate was serving; the checks come first now (the model directory here does not exist,
+    so reaching the model would be a different error)."""
+    res = subprocess.run([sys.executable, "-m", "engine", "serve", "--model", "/no/such/model", flag, value],
+                         capture_output=True, text=True, timeout=60)
+    assert (res.returncode, res.stderr.strip().splitlines()[-1]) == (2, f"kv-engine: error: {message}")
+    assert "Traceback" not in res.stderr
+
+
 def test_cli_make_tiny_model_and_generate(tmp_path: Path) -> None:
     run = [sys.executable, "-m", "engine"]
     subprocess.run([*run, "make-tiny-model", str(tmp_path / "m"), "--hybrid", "--layers", "2"], check=True, timeout=60)

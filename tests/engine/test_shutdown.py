@@ -146,4 +146,4 @@ def test_requests_in_flight_end_with_an_error_after_the_grace(plain_model: Path,
 def test_a_negative_grace_is_refused(plain_model: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "engine", "serve", f"--model={plain_model}", "--shutdown-grace-s=-1"],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert (res.returncode, res.stderr.strip()) == (2, "kv-engine: error: --shutdown-grace-s must be >= 0, got -1.0")
+    assert (res.returncode, res.stderr.strip()) == (2, "kv-engine: error: --shutdown-grace-s must be >= 0 and finite, got -1.0")
