@@ -15,6 +15,7 @@ import msgspec
 from kvcache.v1 import events_pb2, log_pb2
 
 from events.codec_vllm import freeze_arrays
+from events.packed import PackedStored, pack, unpacked
 from events.schema import (
     AllBlocksCleared,
     BlockRemoved,
@@ -75,6 +76,8 @@ def _fill_event(msg: events_pb2.KvEvent, event: Event) -> None:
 
 
 def _fill(msg: events_pb2.KvEvent, event: Event) -> None:
+    if type(event) is PackedStored:
+        event = unpacked(event)
     if isinstance(event, BlockStored):
         stored = msg.block_stored
         stored.block_hashes.extend(event.block_hashes)
@@ -102,13 +105,14 @@ def _fill(msg: events_pb2.KvEvent, event: Event) -> None:
         msg.all_blocks_cleared.medium = _MEDIUM_TO_PB[event.medium]
 
 
-def event_from_proto(msg: events_pb2.KvEvent) -> Event:
+def event_from_proto(msg: events_pb2.KvEvent, *, packed: bool = False) -> Event:
     """Decode and validate one event. The proto field types already guarantee what
     ``validate_event`` checks of ranges (fixed64 hashes, uint32 groups and sizes), so only the
-    rest is checked here, with the same messages; every event this returns passes it."""
+    rest is checked here, with the same messages; every event this returns passes it.
+    ``packed``: a ``BlockStored`` comes with its token ids packed (events.packed)."""
     which = msg.WhichOneof("event")
     if which == "block_stored":
-        return _stored_from_proto(msg.block_stored)
+        return _stored_from_proto(msg.block_stored, packed)
     if which == "block_removed":
         m = msg.block_removed
         return BlockRemoved(tuple(m.block_hashes[:]), _required_medium(m.medium, "BlockRemoved"),
@@ -118,7 +122,7 @@ def event_from_proto(msg: events_pb2.KvEvent) -> Event:
     raise SchemaError("KvEvent.event: required (one of block_stored, block_removed, ...)")
 
 
-def _stored_from_proto(m: events_pb2.BlockStored) -> BlockStored:
+def _stored_from_proto(m: events_pb2.BlockStored, packed: bool = False) -> BlockStored:
     kind = _KIND_FROM_PB.get(m.kv_cache_spec_kind)
     if kind is None:
         raise SchemaError(f"BlockStored.kv_cache_spec_kind: unknown value {m.kv_cache_spec_kind}")
@@ -137,21 +141,21 @@ def _stored_from_proto(m: events_pb2.BlockStored) -> BlockStored:
     size = m.block_size
     if size == 0:
         raise SchemaError("BlockStored.block_size: must be > 0, got 0")
-    tokens = tuple(m.token_ids[:])
-    if len(tokens) != len(hashes) * size:
+    ids = m.token_ids[:]
+    if len(ids) != len(hashes) * size:
         raise SchemaError(
             f"BlockStored.token_ids: expected {len(hashes) * size} ids "
-            f"({len(hashes)} blocks x {size}), got {len(tokens)}"
+            f"({len(hashes)} blocks x {size}), got {len(ids)}"
         )
     if extra is not None:
         if len(extra) != len(hashes):
             raise SchemaError("BlockStored.extra_keys: need one entry per block hash")
         for i, keys in enumerate(extra):
             check_extra_keys(keys, f"BlockStored.extra_keys[{i}]")
-    return BlockStored(
+    return (PackedStored if packed else BlockStored)(
         hashes,
         m.parent_block_hash if m.HasField("parent_block_hash") else None,
-        tokens,
+        pack(ids) if packed else tuple(ids),  # type: ignore[arg-type]
         size,
         medium,
         m.group_idx,
@@ -176,8 +180,8 @@ def _required_medium(value: int, owner: str) -> Medium:
     return medium
 
 
-def _events_from_proto(msgs: Any) -> tuple[Event, ...]:
-    return tuple([event_from_proto(m) for m in msgs])
+def _events_from_proto(msgs: Any, packed: bool = False) -> tuple[Event, ...]:
+    return tuple([event_from_proto(m, packed=packed) for m in msgs])
 
 
 def _events_to_proto(out: Any, events: tuple[Event, ...]) -> None:
@@ -200,11 +204,13 @@ def batch_to_proto(batch: EventBatch) -> events_pb2.EventBatch:
     return msg
 
 
-def batch_from_proto(msg: events_pb2.EventBatch) -> EventBatch:
+def batch_from_proto(msg: events_pb2.EventBatch, *, packed: bool = False) -> EventBatch:
+    """The batch, validated; ``packed``: its ``BlockStored`` events with their token ids packed
+    (events.packed: the daemon's ingest, which only logs and counts them)."""
     if not msg.engine_id:
         raise SchemaError("EventBatch.engine_id: required")
     return EventBatch(
-        msg.engine_id, msg.incarnation, msg.seq, msg.ts, _events_from_proto(msg.events)
+        msg.engine_id, msg.incarnation, msg.seq, msg.ts, _events_from_proto(msg.events, packed)
     )
 
 

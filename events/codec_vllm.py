@@ -20,6 +20,7 @@ from typing import Any, Final, Generic, Literal, TypeVar
 
 import msgspec
 
+from events.packed import PackedStored
 from events.records import ClearedView, RemovedView, StoredView
 from events.schema import (
     AllBlocksCleared,
@@ -178,8 +179,9 @@ def encode_batch(
 ) -> bytes:
     """One vLLM batch; ``source`` (our extension) is attached to every event when given.
 
-    ``events`` are domain events, or the events of an ``events.records.RecordView``: the same
-    batch, byte for byte, as for the record's domain events.
+    ``events`` are domain events (a ``BlockStored`` may be packed: events.packed), or the
+    events of an ``events.records.RecordView``: the same batch, byte for byte, as for the
+    record's domain events.
     """
     if layout == "map":
         wire: list[Any] = [_TO_MAP[type(e)](e, source) for e in events]
@@ -224,10 +226,11 @@ _TO_MAP: Final[dict[type, Callable[[Any, str | None], Any]]] = {
     BlockRemoved: _removed_to_map,
     AllBlocksCleared: _cleared_to_map,
     StoredView: _stored_to_map,
+    PackedStored: _stored_to_map,
     RemovedView: _removed_to_map,
     ClearedView: _cleared_to_map,
 }
-_STORED: Final = (BlockStored, StoredView)
+_STORED: Final = (BlockStored, StoredView, PackedStored)
 _REMOVED: Final = (BlockRemoved, RemovedView)
 
 

@@ -9,7 +9,10 @@ module, which reads a record two ways:
 - :func:`decode_record_view`: the same record with its bulk arrays (``BULK_FIELDS``) left as
   the msgpack bytes they were stored as (:class:`msgspec.Raw`), for a reader that only copies
   them on (the bridge's publish path: see events.codec_vllm.encode_batch). The view's types are
-  derived from the schema's, so the two readings cannot drift apart.
+  derived from the schema's, so the two readings cannot drift apart;
+- :func:`decode_record_packed`: the domain record, types checked, except that each
+  ``BlockStored`` is an events.packed.PackedStored (its token ids left as stored): for a reader
+  that publishes the record and applies it to a state (the bridge's publisher).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Final, Literal, Union, get_args, get_origin
 
 import msgspec
 
+from events.packed import PackedStored
 from events.schema import (
     AllBlocksCleared,
     BlockRemoved,
@@ -114,6 +118,25 @@ def decode_record_view(data: bytes) -> Any:
         return _view_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise SchemaError(f"log record: {exc}") from exc
+
+
+_PackedRecord: Final[Any] = msgspec.defstruct(
+    "PackedRecord",
+    [(f.name, tuple[PackedStored | BlockRemoved | AllBlocksCleared, ...])  # type: ignore[valid-type]
+     if f.name == "events" else (f.name, f.type) for f in msgspec.structs.fields(LogRecord)],
+    array_like=LogRecord.__struct_config__.array_like, frozen=True, module=__name__,
+)
+_packed_decoder = msgspec.msgpack.Decoder(_PackedRecord)
+
+
+def decode_record_packed(data: bytes) -> LogRecord:
+    """One stored record, types checked as ``decode_record(validate=False)`` checks them, with
+    its ``BlockStored`` events as events.packed.PackedStored; SchemaError when it cannot be read."""
+    try:
+        r = _packed_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise SchemaError(f"log record: {exc}") from exc
+    return LogRecord(r.offset, r.source, r.incarnation, r.source_seq, r.ts, r.events)
 
 
 def entry_id(offset: int) -> str:

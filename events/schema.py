@@ -116,6 +116,8 @@ def validate_event(event: Event) -> None:
             raise SchemaError(f"BlockRemoved.medium: must be 'GPU' or 'CPU', got {event.medium!r}")
         if event.group_idx < 0:
             raise SchemaError(f"BlockRemoved.group_idx: must be >= 0, got {event.group_idx}")
+    elif not isinstance(event, AllBlocksCleared):
+        raise SchemaError(f"not an event: {type(event).__name__}")
     elif event.medium is not None and event.medium not in MEDIA:
         raise SchemaError(f"AllBlocksCleared.medium: must be 'GPU', 'CPU' or None, got {event.medium!r}")
 

@@ -5,12 +5,18 @@ time here, so the common cases, a valid BlockStored or BlockRemoved, run inline 
 no per-block allocation (events.state_tier). Their checks accept exactly what
 ``validate_event`` accepts for the types the schema declares; anything else, an invalid event
 included, takes the general path, which validates with ``validate_event`` for the message.
+A ``BlockStored`` may come packed (events.packed): its token ids are counted from their
+header, and the tier keeps the packed event.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
+import msgspec
+
+from events.packed import PackedStored, count_ids, unpacked
 from events.schema import (
     MAX_HASH,
     MEDIA,
@@ -40,7 +46,7 @@ def apply_events(
     bump per event, never per block (CacheState.edits); while changes are tracked it also
     records which hashes they were (CacheState.take_changes)."""
     for event in events:
-        if type(event) is BlockStored:
+        if type(event) is BlockStored or type(event) is PackedStored:
             hashes = event.block_hashes
             n = len(hashes)
             bs = event.block_size
@@ -48,10 +54,11 @@ def apply_events(
             keys = event.extra_keys
             medium = event.medium
             group = event.group_idx
+            ids: Any = event.token_ids
             ok = (
                 n > 0
                 and bs > 0
-                and len(event.token_ids) == n * bs
+                and (count_ids(ids) if type(ids) is msgspec.Raw else len(ids)) == n * bs
                 and medium in MEDIA
                 and group >= 0
                 and (parent is None or 0 <= parent <= MAX_HASH)
@@ -105,8 +112,11 @@ def _apply_checked(
     violate: Violate,
     edits: TierEdits,
 ) -> None:
-    """The general path: any event type (subclasses included), validated first."""
+    """The general path: any event type (subclasses included), validated first; a packed
+    event is checked as the BlockStored it stands for (and stored as one)."""
     try:
+        if type(event) is PackedStored:
+            event = unpacked(event)
         if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
             raise SchemaError(f"not an event: {type(event).__name__}")
         validate_event(event)

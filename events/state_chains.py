@@ -7,6 +7,7 @@ tier as stored (events.state_tier), without building a BlockEntry per block.
 
 from __future__ import annotations
 
+from events.packed import token_ids
 from events.schema import BlockStored, Medium
 from events.state_tier import Tier, positions
 
@@ -98,10 +99,10 @@ def chain_event(
         if ev is run_ev and i == run_end:
             run_end += 1
         else:
-            tokens.extend(run_ev.token_ids[run_start * bs : run_end * bs])
+            tokens.extend(token_ids(run_ev)[run_start * bs : run_end * bs])
             run_ev, run_start, run_end = ev, i, i + 1
         keys.append(None if ev.extra_keys is None else ev.extra_keys[i])
-    tokens.extend(run_ev.token_ids[run_start * bs : run_end * bs])
+    tokens.extend(token_ids(run_ev)[run_start * bs : run_end * bs])
     return BlockStored(
         block_hashes=tuple(chain),
         parent_block_hash=head_parent,

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from events.packed import token_ids
 from events.schema import BlockStored, SpecKind
 
 Tier = dict[int, BlockStored]  # block hash -> the event that stored it last
@@ -38,13 +39,14 @@ def store(tier: Tier, event: BlockStored) -> None:
 
 
 def entry_at(event: BlockStored, i: int) -> BlockEntry:
-    """The entry of the block at position ``i`` of ``event``."""
+    """The entry of the block at position ``i`` of ``event`` (packed or not: events.packed;
+    SchemaError when a packed event's ids cannot be read)."""
     bs = event.block_size
     start = i * bs
     keys = event.extra_keys
     return BlockEntry(
         event.parent_block_hash if i == 0 else event.block_hashes[i - 1],
-        event.token_ids[start : start + bs],
+        token_ids(event)[start : start + bs],
         bs,
         event.kv_cache_spec_kind,
         event.sliding_window,
