@@ -34,7 +34,7 @@ from bridge.metrics import BridgeMetrics
 from bridge.transcode import batch_for, relayout, takes_seq
 from events.codec_vllm import encode_batch
 from events.logreader import LogReader, LogUnavailable
-from events.schema import BlockStored
+from events.schema import BlockStored, SchemaError
 from events.wire_frames import END_SEQ, BadRequest, ReplayRequest, parse_request, seq_bytes
 
 log = logging.getLogger("kvbridge.replay")
@@ -129,7 +129,13 @@ class ReplayServer:
             topic = self._config.topic_for(self._config.default_source).encode()
         if request.start_seq is None:
             self._metrics.requests.labels("snapshot").inc()
-            snap = self._source.snapshot_plan(topic)
+            try:
+                snap = self._source.snapshot_plan(topic)
+            except SchemaError as exc:  # a resident block whose packed token ids do not read
+                why = f"the snapshot cannot be built: {exc}"
+                log.error("snapshot request answered with an error: %s", why)
+                self._send(request.identity, [b"error: " + why.encode(), END_SEQ, b""])
+                return
             if snap is None:
                 self._refuse(request.identity, topic)
                 return

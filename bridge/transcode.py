@@ -6,8 +6,9 @@ msgpack bytes. So the record is read as an ``events.records.RecordView`` (those 
 the stored msgpack bytes) and encoded by ``events.codec_vllm.encode_batch``, which copies them
 through: byte for byte the batch of the record's domain events (tests check this); the replay
 server and the start-up scan read records this way. The publisher, which applies every record
-to its state too, decodes each record once instead (:func:`publish_decoded`, DECISIONS 72), and
-the state checks each event as it applies it, counting any problem as a violation.
+to its state too, decodes each record once instead (:func:`publish_decoded`, DECISIONS 72), its
+token ids left packed (events.packed, DECISIONS 80), and the state checks each event as it
+applies it, counting any problem as a violation.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Final, Literal
 import msgspec
 
 from events.codec_vllm import decode_batch, encode_batch
-from events.records import decode_record, decode_record_view
+from events.records import decode_record, decode_record_packed, decode_record_view
 from events.schema import LogRecord, SchemaError
 
 
@@ -56,7 +57,8 @@ def batch_for(data: bytes, layout: Literal["map", "legacy"]) -> Transcoded | Non
 
 def publish_decoded(data: bytes, layout: Literal["map", "legacy"]
                     ) -> tuple[Transcoded | None, LogRecord | None]:
-    """:func:`batch_for`, and the record decoded (types only) when that is how it was read.
+    """:func:`batch_for`, and the record decoded (types only, token ids packed) when that is how
+    it was read.
 
     The publisher's path: the record is decoded once, for the batch and for the state (which
     checks each event as it applies it), rather than as a view here and again there. A record
@@ -67,7 +69,7 @@ def publish_decoded(data: bytes, layout: Literal["map", "legacy"]
     if layout != "map":
         return batch_for(data, layout), None
     try:
-        record = decode_record(data, validate=False)
+        record = decode_record_packed(data)
     except SchemaError:
         return batch_for(data, layout), None
     payload = encode_batch(record.events, record.ts, source=record.source)

@@ -246,15 +246,21 @@ def test_tip_reader_reads_the_epoch_after_the_records_and_waits_before_checking(
 
 def test_publish_decoded_is_batch_for_and_the_record_once() -> None:
     """The publisher decodes a record once for the batch and the state: the same batch, byte
-    for byte, as batch_for; a record outside the schema's literals comes from its view."""
+    for byte, as batch_for, and the record with its token ids packed (the record as stored
+    once unpacked, the same bytes once encoded); a record outside the schema's literals comes
+    from its view."""
     from bridge.transcode import publish_decoded
+    from events.packed import PackedStored, unpacked
     from events.records import decode_record
 
     records = _sample_records(seed=11, n=100)
     for r in records:
         batch, record = publish_decoded(encode_record(r), "map")
         assert batch == batch_for(encode_record(r), "map"), r
-        assert record == decode_record(encode_record(r)), r  # as stored (inner arrays: lists)
+        assert record is not None and encode_record(record) == encode_record(r), r
+        assert not any(type(e) is BlockStored for e in record.events), r
+        events = tuple(unpacked(e) if type(e) is PackedStored else e for e in record.events)
+        assert events == decode_record(encode_record(r)).events, r  # as stored (inner arrays: lists)
         assert publish_decoded(encode_record(r), "legacy") == (batch_for(encode_record(r), "legacy"), None)
     odd = LogRecord(1, "e", 1, 1, 1.0, (BlockRemoved((1,), "DISK", 0),))  # type: ignore[arg-type]
     batch, record = publish_decoded(encode_record(odd), "map")

@@ -276,3 +276,46 @@ def test_legacy_pair_keeps_the_map_pairs_seqs_past_a_record_it_cannot_encode(
         assert seqs == {"map": [0, 1, 2, 3, 4], "legacy": [0, 1, 3, 4]}
     finally:
         assert bridge.stop() == 0
+
+
+def test_a_snapshot_that_cannot_be_built_is_answered_with_an_error(
+    redis_url: str, client: redis.Redis, zctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path
+) -> None:
+    """The bridge's state keeps token ids packed (events.packed) and reads them for a snapshot.
+    A record no daemon writes, whose ids are not integers, is published as stored; a snapshot
+    while its block is resident gets the error end marker, not silence, and the bridge goes on."""
+    from events.packed import PackedStored
+
+    writer = LogWriter(client)
+    junk = PackedStored((7,), None, msgspec.Raw(msgspec.msgpack.encode(["x", "y"])), 2, "GPU")  # type: ignore[arg-type]
+    writer.append("engine-a", [BlockStored((1,), None, (1, 2), 2, "GPU")], source_seq=1)
+    writer.append("engine-a", [junk], source_seq=2)
+    bridge = BridgeProcess(redis_url, tmp_path, "--start", "beginning")
+    bridge.start()
+    try:
+        dealer = zctx.socket(zmq.DEALER)
+        dealer.connect(bridge.replay)
+        dealer.send_multipart([b"", b"snapshot"])
+        assert dealer.poll(5000), "the snapshot request got no answer"
+        empty, error, end, payload = dealer.recv_multipart()
+        assert (empty, end, payload) == (b"", END, b"")
+        assert error.startswith(b"error: the snapshot cannot be built: BlockStored.token_ids")
+        writer.append("engine-a", [BlockRemoved((7,), "GPU")], source_seq=3)
+        deadline = time.monotonic() + 10
+        while True:  # once the block is gone, snapshots are answered again
+            dealer.send_multipart([b"", b"snapshot"])
+            assert dealer.poll(5000)
+            frames = dealer.recv_multipart()
+            if not frames[1].startswith(b"error: "):
+                break
+            assert time.monotonic() < deadline, "snapshots still fail after the block left"
+            time.sleep(0.1)
+        batches = [frames]
+        while batches[-1][3] != b"":
+            assert dealer.poll(5000)
+            batches.append(dealer.recv_multipart())
+        stored = [e for f in batches[:-1] for e in msgspec.msgpack.decode(f[3], type=KVEventBatch).events]
+        assert [e.block_hashes for e in stored] == [[1]]
+        assert bridge.health()[0] == 200
+    finally:
+        assert bridge.stop() == 0
