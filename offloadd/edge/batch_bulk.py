@@ -32,7 +32,8 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from kvcache.v1 import events_pb2
 
 from events.codec_proto import EventBatch, batch_from_proto
-from events.schema import BlockRemoved, BlockStored, Event, Medium, SpecKind
+from events.packed import PackedStored, pack
+from events.schema import BlockRemoved, Event, Medium, SpecKind
 
 _F = descriptor_pb2.FieldDescriptorProto
 _COLUMNS: Final = (  # BlockStored's fields as columns: (name, number, type)
@@ -97,7 +98,9 @@ blocks reads ~25% slower in bulk; 100 single-block events ~2x faster)."""
 
 
 def batch_from_wire(raw: bytes, msg: events_pb2.EventBatch) -> EventBatch:
-    """``batch_from_proto(msg)``, ``msg`` parsed from ``raw``: the same batch or SchemaError."""
+    """``batch_from_proto(msg, packed=True)``, ``msg`` parsed from ``raw``: the same batch or
+    SchemaError. Token ids come packed (events.packed): the daemon logs them and counts them,
+    and never holds them as ints (DECISIONS 80)."""
     num_events = len(msg.events)
     events = None
     if num_events >= BULK_MIN_EVENTS:
@@ -106,7 +109,7 @@ def batch_from_wire(raw: bytes, msg: events_pb2.EventBatch) -> EventBatch:
         except (IndexError, ValueError, struct.error):  # columns that do not line up
             events = None
     if events is None or not msg.engine_id:
-        return batch_from_proto(msg)
+        return batch_from_proto(msg, packed=True)
     return EventBatch(msg.engine_id, msg.incarnation, msg.seq, msg.ts, events)
 
 
@@ -187,9 +190,10 @@ def _stored(s: Any, num_events: int, each: list[bytes]) -> list[Event] | None:
         num_tokens = len(token_run.translate(None, _HIGH))  # one byte below 0x80 ends each id
         if num_tokens != num_hashes * size:
             return None  # the decoder says what is wrong
-        out.append(BlockStored(hashes[at_hash:at_hash + num_hashes], parent,
-                               tuple(tokens[at_token:at_token + num_tokens]), size, medium[m],
-                               group, kind[k]))
+        out.append(PackedStored(hashes[at_hash:at_hash + num_hashes], parent,
+                                pack(tokens[at_token:at_token + num_tokens]),  # type: ignore[arg-type]
+                                size, medium[m],
+                                group, kind[k]))
         at_hash += num_hashes
         at_token += num_tokens
     return out

@@ -1,5 +1,6 @@
-"""offloadd.edge.batch_bulk reads a Publish batch exactly as events.codec_proto does: the same
-events, or the same SchemaError, for the batches it reads in bulk and for those it hands back."""
+"""offloadd.edge.batch_bulk reads a Publish batch exactly as events.codec_proto does with its
+token ids packed: the same events, or the same SchemaError, for the batches it reads in bulk and
+for those it hands back."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvcache.v1 import events_pb2, log_pb2, log_pb2_grpc
 from events.codec_proto import EventBatch, batch_from_proto, batch_to_proto
 from events.logkeys import LogKeys
 from events.logreader import LogReader
+from events.packed import packed
 from events.schema import BlockRemoved, BlockStored, Event, SchemaError
 from offloadd.edge.batch_bulk import BULK_MIN_EVENTS, batch_from_wire, stored_events
 from tests.events.event_strategies import events, hashes, media, tokens
@@ -45,10 +47,15 @@ def _wire(evs: tuple[Event, ...], engine_id: str = "e") -> tuple[bytes, events_p
     return raw, events_pb2.EventBatch.FromString(raw)
 
 
+def _packed(evs: tuple[Event, ...]) -> tuple[Event, ...]:
+    """``evs`` as the daemon reads them: every BlockStored with its token ids packed."""
+    return tuple(packed(e) if type(e) is BlockStored else e for e in evs)
+
+
 def _same(raw: bytes, msg: events_pb2.EventBatch) -> EventBatch | None:
     """Both readings; the batch, or None when both raised the same SchemaError."""
     try:
-        want = batch_from_proto(msg)
+        want = batch_from_proto(msg, packed=True)
     except SchemaError as exc:
         with pytest.raises(SchemaError) as got:
             batch_from_wire(raw, msg)
@@ -62,16 +69,16 @@ def _same(raw: bytes, msg: events_pb2.EventBatch) -> EventBatch | None:
 @given(plain_batches)
 def test_plain_batches_read_in_bulk_as_the_decoder_reads_them(evs: list[BlockStored]) -> None:
     raw, msg = _wire(tuple(evs))
-    assert stored_events(raw, len(evs)) == tuple(evs)  # in bulk, parents mixed or not
-    assert _same(raw, msg) == EventBatch("e", 3, 7, 1.5, tuple(evs))
+    assert stored_events(raw, len(evs)) == _packed(tuple(evs))  # in bulk, parents mixed or not
+    assert _same(raw, msg) == EventBatch("e", 3, 7, 1.5, _packed(tuple(evs)))
 
 
 @settings(max_examples=150, deadline=None)
 @given(evicting_batches)
 def test_stores_and_removals_read_in_bulk_in_their_order(evs: list[Event]) -> None:
     raw, msg = _wire(tuple(evs))
-    assert stored_events(raw, len(evs)) == tuple(evs)
-    assert _same(raw, msg) == EventBatch("e", 3, 7, 1.5, tuple(evs))
+    assert stored_events(raw, len(evs)) == _packed(tuple(evs))
+    assert _same(raw, msg) == EventBatch("e", 3, 7, 1.5, _packed(tuple(evs)))
 
 
 @settings(max_examples=150, deadline=None)
@@ -185,7 +192,7 @@ def test_two_messages_in_one_event_beside_an_empty_one_read_as_the_decoder_reads
 
 def test_small_batches_are_read_one_by_one() -> None:
     raw, msg = _wire(tuple(_plain(BULK_MIN_EVENTS - 1)))
-    assert _same(raw, msg) == batch_from_proto(msg)
+    assert _same(raw, msg) == batch_from_proto(msg, packed=True)
 
 
 def test_a_daemon_logs_bulk_batches_and_refuses_a_bad_one(daemon: DaemonProcess) -> None:
