@@ -19,6 +19,7 @@ and a reader of the log trusts the ids the daemon wrote, as the bridge's replay 
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -52,19 +53,29 @@ def pack(ids: Sequence[int]) -> msgspec.Raw:
     return msgspec.Raw(_ENCODER.encode(ids))
 
 
+_HEAD: Final = struct.Struct(">BH").unpack_from  # a first byte and a big-endian uint16
+_FIRST: Final = struct.Struct("B").unpack_from
+_UINT32: Final = struct.Struct(">I").unpack_from
+
+
 def count_ids(raw: msgspec.Raw) -> int:
     """How many items the msgpack array in ``raw`` holds, from its header; -1 when ``raw`` is
-    not an array."""
-    data = memoryview(raw)
-    if not data:
+    not an array. Once per stored event in the reducer: ~80 ns (a memoryview costs 4x that)."""
+    first: int
+    count: int
+    if len(raw) >= 3:
+        first, count = _HEAD(raw)
+        if first == 0xDC:  # array 16: 16..65535 ids, a block of vLLM's 16 and up
+            return count
+    elif not raw:
         return -1
-    first = data[0]
-    if 0x90 <= first <= 0x9F:
+    else:
+        (first,) = _FIRST(raw)
+    if 0x90 <= first <= 0x9F:  # fixarray
         return first & 0x0F
-    if first == 0xDC and len(data) >= 3:
-        return int.from_bytes(data[1:3], "big")
-    if first == 0xDD and len(data) >= 5:
-        return int.from_bytes(data[1:5], "big")
+    if first == 0xDD and len(raw) >= 5:  # array 32
+        (count,) = _UINT32(raw, 1)
+        return count
     return -1
 
 
