@@ -17,7 +17,7 @@ import msgspec
 from redis.exceptions import RedisError, ResponseError
 
 from events.logkeys import LogKeys
-from events.records import RECORD_FIELD, decode_record, entry_id
+from events.records import RECORD_FIELD, decode_record, decode_record_packed, entry_id
 from events.schema import LogRecord, SchemaError
 from offloadd.errors import ForeignData, OffloaddError
 from offloadd.log import projection
@@ -27,9 +27,6 @@ from offloadd.tier.index import SlotEntry
 from rpc.redis_connect import client_url
 
 _FIRST_BYTE = itemgetter(slice(0, 1))
-
-_record_decoder = msgspec.msgpack.Decoder(LogRecord)  # events.records' format, unvalidated
-
 
 @dataclass
 class Persisted:
@@ -60,7 +57,8 @@ class LogReads:
 
     async def read_range(self, start: int, count: int, validate: bool = True) -> list[LogRecord]:
         """Records from offset ``start`` on. ``validate=False`` is for replays into the reducer,
-        which validates every event itself (and records, rather than raises, what is wrong).
+        which validates every event itself (and records, rather than raises, what is wrong):
+        types only, token ids packed (events.packed), as the daemon's ingest holds them.
         An entry that is not one of our records (no field, undecodable, wrong ID) raises
         ForeignData naming it."""
         try:
@@ -76,7 +74,7 @@ class LogReads:
             why = f"field {next(iter(fields), b'')!r}"
         else:
             try:
-                record = decode_record(data) if validate else _record_decoder.decode(data)
+                record = decode_record(data) if validate else decode_record_packed(data)
             except (msgspec.DecodeError, SchemaError) as exc:
                 why = f"undecodable: {exc}"
             else:
