@@ -113,7 +113,7 @@ def test_ids_that_do_not_read_are_an_error_where_they_are_read() -> None:
     state = CacheState()
     state.apply(LogRecord(1, "a", 1, 1, 1.0, (junk,)))
     assert state.counts() == {("a", "GPU", 0): 1}
-    with pytest.raises(SchemaError, match="BlockStored.token_ids: not an array of integers"):
+    with pytest.raises(SchemaError, match=r"BlockStored\.token_ids: not an array of integers"):
         state.export()
     with pytest.raises(SchemaError, match="token_ids"):
         unpacked(junk)
