@@ -132,9 +132,7 @@ class ReplayServer:
             try:
                 snap = self._source.snapshot_plan(topic)
             except SchemaError as exc:  # a resident block whose packed token ids do not read
-                why = f"the snapshot cannot be built: {exc}"
-                log.error("snapshot request answered with an error: %s", why)
-                self._send(request.identity, [b"error: " + why.encode(), END_SEQ, b""])
+                self._answer_error(request.identity, f"the snapshot cannot be built: {exc}")
                 return
             if snap is None:
                 self._refuse(request.identity, topic)
@@ -162,6 +160,10 @@ class ReplayServer:
                    "frame, or start the bridge with --default-source")
         else:
             why = f"no stream has topic {topic.decode(errors='replace')!r} (yet)"
+        self._answer_error(identity, why)
+
+    def _answer_error(self, identity: bytes, why: str) -> None:
+        """The error end marker: ``why`` in the seq's place before END_SEQ (module docstring)."""
         log.warning("replay/snapshot request answered with an error: %s", why)
         self._send(identity, [b"error: " + why.encode(), END_SEQ, b""])
 

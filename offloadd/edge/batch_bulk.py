@@ -190,10 +190,9 @@ def _stored(s: Any, num_events: int, each: list[bytes]) -> list[Event] | None:
         num_tokens = len(token_run.translate(None, _HIGH))  # one byte below 0x80 ends each id
         if num_tokens != num_hashes * size:
             return None  # the decoder says what is wrong
+        ids = pack(tokens[at_token:at_token + num_tokens])
         out.append(PackedStored(hashes[at_hash:at_hash + num_hashes], parent,
-                                pack(tokens[at_token:at_token + num_tokens]),  # type: ignore[arg-type]
-                                size, medium[m],
-                                group, kind[k]))
+                                ids, size, medium[m], group, kind[k]))  # type: ignore[arg-type]
         at_hash += num_hashes
         at_token += num_tokens
     return out

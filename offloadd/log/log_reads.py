@@ -28,6 +28,7 @@ from rpc.redis_connect import client_url
 
 _FIRST_BYTE = itemgetter(slice(0, 1))
 
+
 @dataclass
 class Persisted:
     """Everything recovery reads from Redis except the log itself."""

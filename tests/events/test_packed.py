@@ -7,7 +7,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from events.codec_proto import record_from_proto, record_to_proto
 from events.codec_vllm import encode_batch
@@ -127,7 +126,3 @@ def test_a_packed_event_is_not_passed_as_another_event() -> None:
     with pytest.raises(SchemaError, match="not an event"):
         validate_event(object())  # type: ignore[arg-type]
 
-
-@given(st.lists(st.integers(0, 2**32 - 1), max_size=40))
-def test_pack_is_what_msgspec_writes(ids: list[int]) -> None:
-    assert bytes(pack(ids)) == msgspec.msgpack.encode(tuple(ids))
