@@ -89,6 +89,12 @@ class CutBook:
                 del self.maps[tid]
         self._order, self._next, self._building = [], {}, {}
 
+    @property
+    def begun(self) -> bool:
+        """An export has begun (:meth:`begin`: its instant has passed) and is neither
+        committed nor given up yet."""
+        return bool(self._order)
+
     def known(self, present: Container[str]) -> dict[bytes, tuple[str, int]]:
         """fingerprint -> (address, length) of every piece of the previous export that Redis
         holds: what a tier cut whole reuses."""

@@ -16,7 +16,8 @@ resident state.
 
 The blocks cut again are copied at the checkpoint's instant (C speed, skipping what is kept),
 so the copy may be cut later, while the state moves on: in the daemon's loop in slices, or in a
-forked child.
+forked child. A tier's last stretch, its tail, may instead be read after the instant while the
+tier's changes since leave it where it was (offloadd.log.later_read).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class TierTail:
     """One tier's part of an export: its stretches in order (events.checkpoint_dirty.Stretch:
     pieces kept as they were, then blocks to cut), ``length`` the tier's length at the
     export's instant. The last stretch's blocks may be left uncopied, to be read from ``live``
-    by whoever holds the state of that instant (a forked child). ``whole``: no piece of the
+    by whoever holds the state of that instant (a forked child) or can tell that the live tier
+    still holds them where they were (offloadd.log.later_read). ``whole``: no piece of the
     previous export is kept (the tier is cut from its start)."""
 
     tier: TierId
@@ -90,9 +92,8 @@ def tails(state: CacheState, previous: Mapping[TierId, TierCut], present: Contai
           copy: bool = True, touched: Mapping[TierId, Touched | None] | None = None,
           cuts: Cuts | None = None, limit: int | None = None) -> list[TierTail]:
     """What an export of ``state`` now must cut, tier by tier, given the previous export's
-    cuts: the blocks to cut copied now (``copy``), or, where a tier's last stretch is all,
-    left to be read from the live tier by a forked child; no await may come between this and
-    the export's instant. Reused pieces must be in ``present`` (Redis holds them). With
+    cuts: the blocks to cut copied now (``copy``), or each tier's last stretch left to be read
+    from the live tier (TierTail); no await may come between this and the export's instant. Reused pieces must be in ``present`` (Redis holds them). With
     ``touched`` (events.checkpoint_book.CutBook's: per tier changed otherwise than by appends,
     the segments those changes touched, None where it cannot say) such a tier keeps its
     untouched segments (cut by ``cuts``, the export's), unless more than ``limit`` blocks of

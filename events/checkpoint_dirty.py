@@ -14,8 +14,11 @@ again, with what was appended (as for a tier that only grew).
 
 Which segment a changed hash was in comes from the checkpoint writer's map ``hash -> the
 fingerprint of its segment`` (events.checkpoint_book.CutBook): per change one look-up, never a
-walk of the tier. The keys and values of what is cut again are copied at the export's instant
-with C-speed forward passes over the tier (:class:`_Forward`), skipping what is kept.
+walk of the tier. The keys and values of what is cut again before the last stretch are copied
+at the export's instant with C-speed forward passes over the tier (:class:`_Forward`), skipping
+what is kept; the last stretch (the tail: the previous last segment, or a dirty one before it,
+and what was appended) is left to the export, which copies it at its instant or reads it after
+(offloadd.log.later_read, DECISIONS 81).
 """
 
 from __future__ import annotations
@@ -102,10 +105,12 @@ def _walk(tier: Tier, previous: Sequence[Piece], ends: list[int], dirty: list[bo
         keys.release(pos)
         values.release(pos)
         stop, i = _cut_until(keys, pos, n, resume, m, cuts)
+        if stop == n:  # never met the previous cut again: this is the tail
+            break
         out.append(Stretch(tuple(kept), pos, stop, keys.slice(pos, stop), values.slice(pos, stop)))
         kept, pos = [], stop
     if pos < n or kept:
-        out.append(Stretch(tuple(kept), pos, n, *copy_from(tier, pos)))
+        out.append(Stretch(tuple(kept), pos, n))  # the tail: read where the export reads it
     return out
 
 

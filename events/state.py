@@ -161,6 +161,12 @@ class CacheState:
         :meth:`track_changes`), and forget it; empty when not tracking."""
         return self._edit_book.take()
 
+    def pending_changes(self, source: str, medium: Medium, group_idx: int = 0) -> TierChanges | None:
+        """What :meth:`take_changes` would return for this tier now (None: nothing), left to
+        it: the same object, growing until taken, ``reset`` once the tier is cleared or
+        replaced (a checkpoint export reading a tier after its instant watches it)."""
+        return self._edit_book.pending(source, (medium, group_idx))
+
     def _violate(self, offset: int, source: str, kind: str, detail: str) -> None:
         self.violations.append(Violation(offset, source, kind, detail))
 

@@ -90,6 +90,10 @@ class EditBook:
             for source, edits in self.by_source.items():
                 edits.changes = self._changes.setdefault(source, {})
 
+    def pending(self, source: str, key: TierKey) -> TierChanges | None:
+        """The tier's changes since they were last taken, left in place; None when none."""
+        return None if self._changes is None else self._changes.get(source, {}).get(key)
+
     def take(self) -> dict[tuple[str, Medium, int], TierChanges]:
         out: dict[tuple[str, Medium, int], TierChanges] = {}
         for source, per_tier in (self._changes or {}).items():

@@ -12,8 +12,9 @@ Writing (:class:`Checkpointer`, a background task of the daemon):
    log holds them, so the state at O is what the log holds up to O): of a tier that only grew
    since the previous checkpoint, only the blocks from that one's last segment on are cut
    again (events.checkpoint_delta), and of a tier with removals only the segments they
-   touched (events.checkpoint_dirty, DECISIONS 68), copied at O (a tier that only ever grew:
-   read after O while it still only grows, DECISIONS 74) and cut in the loop in ~1 ms slices;
+   touched (events.checkpoint_dirty, DECISIONS 68), copied at O (a tier's tail: read after O
+   while its changes since leave it where it was, offloadd.log.later_read, DECISIONS 74 and
+   81) and cut in the loop in ~1 ms slices;
    when more than ``checkpoint_fork_blocks`` are to be cut (the first checkpoint after
    a start, a tier cleared), a forked child cuts them from its copy-on-write copy
    (offloadd.log.forked_export, DECISIONS 65);
@@ -68,7 +69,8 @@ from events.checkpoint_cut import Cuts, fences, preload
 from offloadd.config import OffloaddConfig
 from offloadd.log.checkpoint_load import CheckpointMissing, get_key, load, pointer_ids, restore
 from offloadd.log.checkpoint_store import CheckpointFailed, CheckpointStore
-from offloadd.log.forked_export import ExportFailed, Later, TierMoved, export_pieces
+from offloadd.log.forked_export import ExportFailed, export_pieces
+from offloadd.log.later_read import Later, TierMoved
 from offloadd.log.metadata import LogConflict, MetadataStore, RedisUnavailable
 from offloadd.log.retention import horizon
 
@@ -134,6 +136,8 @@ class Checkpointer:
         # changed since in the reducer besides appends (the segments a removal touched).
         self._book = CutBook()
         self.track_removals = True  # False: a tier with removals is cut whole (as before 68)
+        self.read_later = True  # tails read after the instant (later_read); False: copied at it
+        self._moved = False  # the last export was given up (TierMoved): the next copies tails
 
     async def run(self) -> None:
         cfg = self.config
@@ -228,9 +232,13 @@ class Checkpointer:
         size = sent = 0
         # The state at exactly `offset`: copied, or a forked child's copy, before this coroutine
         # yields again (offloadd.log.forked_export).
-        # Tiers that only ever grew are read when their turn comes, not copied at the instant.
-        later = Later({p.tier for p in parts if p.tier not in book.changing},
-                      lambda tid: state.edits(*tid), self.read_window)
+        # Tails are read when their turn comes, not copied at the instant (later_read), where
+        # something lies before them: a tier that only ever grew, or one the book has a map of.
+        # A tier cut whole with removals would lose its read to its next eviction: copied.
+        lazy = set() if self._moved or not self.read_later else {
+            p.tier for p in parts
+            if p.tier not in book.changing or (p.stretches[-1].start > 0 and p.tier in book.maps)}
+        later = Later(lazy, lambda tid: state.pending_changes(*tid), book.maps.get, self.read_window)
         chunks = export_pieces(parts, self.cuts, known, present, fork, fork_s, later)
         try:
             async with contextlib.aclosing(chunks):
@@ -247,6 +255,7 @@ class Checkpointer:
             await self.store.write(batch)
             book.check()  # every tier's blocks came: the previous cut once the swap is done
         except TierMoved as exc:  # not an export that failed: no second try in the loop
+            self._moved = True  # the next export copies every tail at its instant
             raise CheckpointFailed(str(exc)) from None
         except (ExportFailed, ValueError) as exc:
             raise CheckpointFailed(str(exc)) from exc
@@ -263,6 +272,7 @@ class Checkpointer:
             self.store.forget()  # and what the kept checkpoints list and Redis holds
             raise
         self._pointer = pointer
+        self._moved = False
         self.store.listed[ckpt_id] = frozenset(addresses)
         book.commit()
         self._note(manifest)

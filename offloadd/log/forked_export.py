@@ -7,8 +7,9 @@ previous checkpoint) are cut in the event loop in slices of ~1 ms, each followed
 twice as long (the export takes at most a third of a busy loop, which keeps up with its
 streams meanwhile): no fork, whose page-table copy stalls the loop longer than such a copy
 (DECISIONS 65). They are copied at the export's instant (C speed, from each tier's end), but
-a tier that never changed otherwise than by appends is read when its turn comes, a window at
-a time, as long as it still has not (DECISIONS 74: TierMoved gives the export up otherwise).
+a tier's tail may be read when its turn comes instead, a window at a time, for as long as the
+tier's changes since leave it where it was (offloadd.log.later_read, DECISIONS 74 and 81:
+TierMoved gives the export up otherwise).
 Many (the first export after a start, a tier cleared, removals all over a tier) go to a forked
 child: ``fork()`` gives it an exact copy of the state at this instant (copy-on-write: the parent
 keeps applying records at once); the child cuts it, encodes the chunks whose segments are not in
@@ -37,13 +38,12 @@ import signal
 import struct
 import time
 from array import array
-from collections.abc import AsyncGenerator, Callable, Container, Mapping
-from itertools import islice
-from typing import Final, NamedTuple, NoReturn
+from collections.abc import AsyncGenerator, Container, Mapping
+from typing import Final, NoReturn
 
-from events.checkpoint_cut import Cuts, Piece, cut_segments, cut_tail, segments
-from events.checkpoint_delta import TierId, TierTail, cut_tails
-from events.schema import BlockStored
+from events.checkpoint_cut import Cuts, Piece
+from events.checkpoint_delta import TierTail, cut_tails
+from offloadd.log.later_read import Later, cut_later
 
 _FRAME: Final = struct.Struct("<B16s16sQQQ")  # kind, address, fingerprint, chunk length, end, keys
 _SLICE_S: Final = 0.0005  # in the loop: yield once this much work was done (~1 segment)
@@ -51,79 +51,11 @@ _PAUSE: Final = 2.0  # ... and let the loop have twice that time: the export tak
 _REF, _DATA, _DONE = 0, 1, 2  # kinds: a chunk Redis holds; one whose bytes follow; the end
 
 
-class Later(NamedTuple):
-    """What an export in the loop may read after its instant: the tiers, a tier's edits count
-    now (CacheState.edits by tier id), and how many blocks it reads per slice
-    (Checkpointer.read_window)."""
-
-    tiers: Container[TierId]
-    edits_now: Callable[[TierId], int]
-    window: int
-
-
-class TierMoved(Exception):
-    """A tier read after the export's instant changed otherwise than by appends meanwhile (a
-    block removed or stored again, the tier cleared or replaced): the instant's blocks are no
-    longer where they were, so this export is given up; the next one cuts the tier as it is."""
-
-
 async def _cut_now(part: TierTail, cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
                    present: Container[str]) -> AsyncGenerator[Piece | None, None]:
     """``part``'s pieces, its blocks copied (events.checkpoint_delta.cut_tails)."""
     for piece in cut_tails([part], cuts, known, present):
         yield piece
-
-
-async def _cut_later(part: TierTail, later: Later, cuts: Cuts, known: Mapping[bytes, tuple[str, int]],
-                     present: Container[str]) -> AsyncGenerator[Piece | None, None]:
-    """``part``'s pieces, its uncopied stretch read from the live tier a window at a time,
-    each window read while the tier's edits count is still the instant's and cut at once (the
-    segments it completes; the last, maybe incomplete, waits for the next window: a boundary
-    depends only on the blocks since the previous one, so the cut is the whole stretch's). A
-    tier with only appends since holds the instant's blocks at the instant's positions
-    (CacheState.edits), and its end moved on by what was appended, so position ``p`` is
-    ``len - 1 - p`` from the end: read from there, never copied at the instant (~3 ms per 100k
-    blocks) and never held whole a second time. Only the window's hashes are read by position
-    (~9 ns a block skipped from the end: the dict has no index); its events are looked up by
-    hash (a stored-again block is an edit, so each hash still maps to the instant's event). A
-    window read is a slice of its own: None is yielded after it, a point where the caller may
-    pause before the window's segments are cut."""
-    tier = part.live
-    assert tier is not None
-    source, medium, group = part.tier
-    for stretch in part.stretches:
-        for piece in stretch.kept:
-            yield piece
-        if stretch.keys is not None and stretch.values is not None:
-            for piece in cut_tail(source, medium, group, stretch.start, stretch.keys, stretch.values,
-                                  cuts, known, present):
-                yield piece
-            continue
-        base = pos = stretch.start  # base: the position of keys[0], a segment's start
-        keys: list[int] = []
-        values: list[BlockStored] = []
-        while pos < stretch.end:
-            if later.edits_now(part.tier) != part.edits or len(tier) < part.length:
-                raise TierMoved(f"tier {part.tier} changed otherwise than by appends during the "
-                                "export; this checkpoint is given up, the next one cuts it as it is")
-            n = min(later.window, stretch.end - pos)
-            skip = len(tier) - pos - n  # from the end: what was appended since, and after pos + n
-            run = list(islice(reversed(tier), skip, skip + n))
-            run.reverse()
-            keys += run
-            values += map(tier.__getitem__, run)
-            pos += n
-            yield None  # the window is the instant's whatever the tier does from here on
-            packed = array("Q", keys)
-            bounds = list(segments(packed, cuts))
-            if pos < stretch.end:
-                bounds.pop()  # the last may go on in the next window
-            for piece in cut_segments(source, medium, group, base, keys, values, packed, bounds,
-                                      known, present):
-                yield piece
-            done = bounds[-1][1] if bounds else 0
-            del keys[:done], values[:done]
-            base += done
 
 
 class ExportFailed(Exception):
@@ -137,8 +69,9 @@ async def export_pieces(parts: list[TierTail], cuts: Cuts, known: Mapping[bytes,
     """The chunks of ``parts`` (events.checkpoint_delta.tails of the state now, taken with no
     await since), in order; ExportFailed when the export could not finish. ``fork``: in a
     forked child (else in the loop; ``parts`` left uncopied are copied at once, but those of
-    the tiers ``later`` names, read from the live tier when their turn comes: TierMoved if one
-    changed otherwise than by appends by then). ``fork_s`` gets how long the fork took."""
+    the tiers ``later`` names, read from the live tier when their turn comes:
+    offloadd.log.later_read.TierMoved if one's tail moved by then). ``fork_s`` gets how long
+    the fork took."""
     if not fork or not hasattr(os, "fork"):
         lazy = later.tiers if later is not None else ()
         parts = [p if p.live is None or p.tier in lazy else p.copied() for p in parts]  # the instant
@@ -146,7 +79,7 @@ async def export_pieces(parts: list[TierTail], cuts: Cuts, known: Mapping[bytes,
         since = loop.time()
         for part in parts:
             cut = (_cut_now(part, cuts, known, present) if part.live is None or later is None
-                   else _cut_later(part, later, cuts, known, present))
+                   else cut_later(part, later, cuts, known, present))
             async for piece in cut:
                 if piece is not None:
                     yield piece
