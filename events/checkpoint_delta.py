@@ -93,10 +93,10 @@ def tails(state: CacheState, previous: Mapping[TierId, TierCut], present: Contai
           cuts: Cuts | None = None, limit: int | None = None) -> list[TierTail]:
     """What an export of ``state`` now must cut, tier by tier, given the previous export's
     cuts: the blocks to cut copied now (``copy``), or each tier's last stretch left to be read
-    from the live tier (TierTail); no await may come between this and the export's instant. Reused pieces must be in ``present`` (Redis holds them). With
-    ``touched`` (events.checkpoint_book.CutBook's: per tier changed otherwise than by appends,
-    the segments those changes touched, None where it cannot say) such a tier keeps its
-    untouched segments (cut by ``cuts``, the export's), unless more than ``limit`` blocks of
+    from the live tier (TierTail); no await may come between this and the export's instant.
+    Reused pieces must be in ``present`` (Redis holds them). With ``touched``
+    (events.checkpoint_book.CutBook's: per tier changed otherwise than by appends, the segments
+    those changes touched, None where it cannot say) such a tier keeps its untouched segments (cut by ``cuts``, the export's), unless more than ``limit`` blocks of
     it would be cut."""
     out = list[TierTail]()
     for source, medium, group, tier in state.tiers():

@@ -136,7 +136,6 @@ class Checkpointer:
         # changed since in the reducer besides appends (the segments a removal touched).
         self._book = CutBook()
         self.track_removals = True  # False: a tier with removals is cut whole (as before 68)
-        self.read_later = True  # tails read after the instant (later_read); False: copied at it
         self._moved = False  # the last export was given up (TierMoved): the next copies tails
 
     async def run(self) -> None:
@@ -235,7 +234,7 @@ class Checkpointer:
         # Tails are read when their turn comes, not copied at the instant (later_read), where
         # something lies before them: a tier that only ever grew, or one the book has a map of.
         # A tier cut whole with removals would lose its read to its next eviction: copied.
-        lazy = set() if self._moved or not self.read_later else {
+        lazy = set() if self._moved else {
             p.tier for p in parts
             if p.tier not in book.changing or (p.stretches[-1].start > 0 and p.tier in book.maps)}
         later = Later(lazy, lambda tid: state.pending_changes(*tid), book.maps.get, self.read_window)

@@ -37,7 +37,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import AsyncGenerator, Callable, Container, Mapping
 from itertools import islice
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 from events.checkpoint_cut import Cuts, Piece, cut_segments, cut_tail, segments
 from events.checkpoint_delta import TierId, TierTail
@@ -107,7 +107,7 @@ class TailWatch:
         fp = None if seg_of is None else seg_of.get(h)
         return fp is not None and fp in self._before
 
-    def _moved(self, what: str) -> None:
+    def _moved(self, what: str) -> NoReturn:
         raise TierMoved(f"tier {self._part.tier} {what} during the export; this checkpoint is "
                         "given up, the next one copies it at its instant")
 
