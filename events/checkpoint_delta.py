@@ -96,8 +96,8 @@ def tails(state: CacheState, previous: Mapping[TierId, TierCut], present: Contai
     from the live tier (TierTail); no await may come between this and the export's instant.
     Reused pieces must be in ``present`` (Redis holds them). With ``touched``
     (events.checkpoint_book.CutBook's: per tier changed otherwise than by appends, the segments
-    those changes touched, None where it cannot say) such a tier keeps its untouched segments (cut by ``cuts``, the export's), unless more than ``limit`` blocks of
-    it would be cut."""
+    those changes touched, None where it cannot say) such a tier keeps its untouched segments
+    (cut by ``cuts``, the export's), unless more than ``limit`` blocks of it would be cut."""
     out = list[TierTail]()
     for source, medium, group, tier in state.tiers():
         tid = (source, medium, group)
