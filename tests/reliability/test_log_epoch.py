@@ -50,7 +50,12 @@ class EngineLike:
 
         def counting(ack: object) -> None:
             self.num_acks += 1
-            self.num_resend += getattr(ack, "status", 0) == 3
+            # Only a RESEND about this incarnation makes the stream rewind. Those about batches
+            # of the one before a reset are stale (the stream drops them); how many arrive is
+            # how many were in flight, which a loaded machine makes more of.
+            stream = self.sink.stream
+            self.num_resend += (getattr(ack, "status", 0) == 3
+                                and getattr(ack, "incarnation", 0) == stream.incarnation)
             on_ack(ack)  # type: ignore[arg-type]
 
         self.sink.stream._on_ack = counting  # type: ignore[method-assign]
