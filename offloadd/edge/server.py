@@ -20,8 +20,8 @@ import grpc
 from grpc_health.v1 import _async as health_aio  # the public alias health.aio is untyped
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from events.state import CacheState
 from events.state_gc import GcPolicy

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from events.codec_proto import EventBatch
 from events.logkeys import LogKeys

@@ -10,8 +10,8 @@ import cbor2
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from events.logkeys import LogKeys
 from events.records import RECORD_FIELD, decode_record, encode_record
