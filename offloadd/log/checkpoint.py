@@ -138,9 +138,18 @@ class Checkpointer:
         self.track_removals = True  # False: a tier with removals is cut whole (as before 68)
         self._moved = False  # the last export was given up (TierMoved): the next copies tails
 
+    def watch(self) -> None:
+        """Have the reducer record its changes from now on (``run`` does, at its start), so that
+        the first export knows which tiers changed otherwise than by appends and copies their
+        tails at its instant. Otherwise they look append-only to it: it reads them after its
+        instant and is given up at their first eviction, as it was after every restart under an
+        evicting engine (DECISIONS 81)."""
+        self.md.state.track_changes()
+
     async def run(self) -> None:
         cfg = self.config
         last = time.monotonic()
+        self.watch()
         await self._quietly(self.prime())
         preloaded = False
         while True:

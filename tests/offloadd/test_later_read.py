@@ -149,3 +149,29 @@ def test_the_export_after_one_given_up_copies_its_tails(redis_url: str, namespac
         await assert_exact(rig, manifest)
 
     scenario(redis_url, namespace, body)
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_the_first_export_after_a_restart_knows_which_tiers_evict(
+        redis_url: str, namespace: str, watched: bool) -> None:
+    """A new daemon's checkpointer watches the reducer from its start (Checkpointer.run): its
+    first export copies the tail of a tier that evicted meanwhile at its instant, and evictions
+    during the export leave it exact. Not watched, the tier looks append-only: its tail is read
+    after the instant and the first eviction gives the export up."""
+    async def body(rig: Rig) -> None:
+        rig.cp.fork_blocks = 1_000_000
+        rig.cp.read_window = 16
+        await rig.store(0, 1000)  # what recovery restored
+        if watched:
+            rig.cp.watch()
+        await rig.put(BlockRemoved((0, 1), "GPU"))  # the engine evicts before the first export
+        await rig.store(1000, 20)
+        changes = (removed(2, 3), appended(2000), removed(4))
+        if not watched:
+            with pytest.raises(CheckpointFailed, match="given up"):
+                await export_while(rig, *changes)
+            return
+        manifest = await export_while(rig, *changes)
+        await assert_exact(rig, manifest)
+
+    scenario(redis_url, namespace, body)
