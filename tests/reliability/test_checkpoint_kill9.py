@@ -22,7 +22,7 @@ from events.logkeys import LogKeys
 from events.schema import BlockRemoved, BlockStored, Event
 from kvctl.main import main as kvctl_main
 from offloadd.client import IngestStream, OffloadClient
-from tests.offloadd.test_checkpoint import head, pointer, recovery_counts, wait_checkpoint
+from tests.offloadd.test_checkpoint import head, recovery_counts, wait_checkpoint
 from tests.support.offloadd_proc import DaemonProcess
 
 ENGINE = "evicting-engine"
@@ -88,9 +88,8 @@ def test_kill9_while_checkpointing_an_evicting_tier_recovers_exactly(
             proc.kill()
             time.sleep(rng.uniform(0.0, 0.2))
             proc.restart()
-            num_records, ckpt_offset = recovery_counts(proc)
+            _, ckpt_offset = recovery_counts(proc)
             assert ckpt_offset > 0, f"kill {kill}: recovered without a checkpoint"
-            assert num_records >= 0
         engine.stop()
         assert engine.stream.flush(60), engine.stream.last_error
         assert engine.stream.num_resets == 0 and engine.stream.num_dropped == 0
@@ -109,7 +108,6 @@ def test_kill9_while_checkpointing_an_evicting_tier_recovers_exactly(
         proc.restart()
         with OffloadClient(proc.target) as c:
             assert c.snapshot() == snap
-        assert len(pointer(admin, keys)) >= 1
     finally:
         engine.stop()
         engine.stream.close()

@@ -8,23 +8,18 @@ are refused leaves the previous one in force, and a restart from there loses not
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 
-from events.checkpoint_cut import Cuts
 from events.logkeys import LogKeys
 from events.schema import BlockStored
-from events.state import CacheState
 from kvctl.main import main as kvctl_main
 from offloadd.client import IngestStream, OffloadClient
-from offloadd.config import OffloaddConfig
-from offloadd.log.checkpoint import Checkpointer, CheckpointFailed, restore
-from offloadd.log.metadata import Append, MetadataStore
+from offloadd.log.checkpoint import CheckpointFailed
 from tests.offloadd.test_checkpoint import CKPT_ARGS, head, pointer, publish, wait_checkpoint
+from tests.offloadd.test_checkpoint_incremental import Rig, scenario
 from tests.support.offloadd_proc import DaemonProcess
 from tests.support.redis_proc import RedisProcess
 
@@ -80,40 +75,22 @@ def test_a_checkpoint_refused_for_memory_leaves_the_previous_one_in_force(
 ) -> None:
     """In process: the log is written, then Redis runs out of memory before the checkpoint."""
 
-    async def scenario() -> None:
-        client = aioredis.Redis.from_url(own_redis.url)
+    async def body(rig: Rig) -> None:
         admin = redis.Redis.from_url(own_redis.url)
-        keys = LogKeys(namespace)
-        md = MetadataStore(client, keys, CacheState())
-        await client.set(keys.epoch, "e" * 16)
-
-        async def append(start: int, n: int) -> None:
-            for i in range(start, start + n):
-                await md.append(Append("e", 1, i + 1, (BlockStored((i,), None, (1, 2, 3, 4), 4, "GPU"),),
-                                       lambda pipe: None, lambda record: None))
-
-        cp = Checkpointer(md, OffloaddConfig(namespace=namespace), "e" * 16)
-        cp.cuts = Cuts(3, 1, 3)
-        await append(0, 10)
-        first = await cp.write()
+        await rig.store(0, 100)
+        first = await rig.cp.write()
         assert first is not None
-        await append(10, 10)
+        await rig.store(100, 100)
         _out_of_memory(admin)
         with pytest.raises(CheckpointFailed, match="maxmemory"):
-            await cp.write()
-        assert pointer(admin, keys) == (first.ckpt_id,)
+            await rig.cp.write()
+        assert [m.ckpt_id for m in await rig.kept()] == [first.ckpt_id]
         # A restart from here loads the previous checkpoint and replays the rest.
-        fresh = MetadataStore(client, keys, CacheState())
-        assert await restore(fresh) == first
-        async for records in fresh.iter_log(start=first.offset + 1):
-            for record in records:
-                fresh.state.apply(record)
-        assert fresh.state.export() == md.state.export()
+        assert await rig.restored() == rig.md.state
         admin.config_set("maxmemory", 0)
-        second = await cp.write()
-        assert second is not None and second.offset == 20
-        assert pointer(admin, keys) == (second.ckpt_id, first.ckpt_id)
-        await client.aclose()
+        second = await rig.cp.write()
+        assert second is not None and second.offset == rig.md.state.offset
+        assert [m.ckpt_id for m in await rig.kept()] == [second.ckpt_id, first.ckpt_id]
         admin.close()
 
-    asyncio.run(scenario())
+    scenario(own_redis.url, namespace, body)
